@@ -1,0 +1,36 @@
+"""specgraph: compile a traced language model into a lossless speculative-decoding engine.
+
+    import specgraph
+    report = specgraph.compile("smollm2-135m", "out/", method="lookup")
+    engine = specgraph.load("out/")
+    result = engine.generate(engine.tokenizer.encode("def fib(n):"), max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from specgraph.compiler import CompileReport
+    from specgraph.runtime import Engine
+
+
+def compile(model: str | Path, output: str | Path, method: str = "none", **options: Any) -> CompileReport:
+    """Compile `model` (a torch.export file, HF folder, GGUF file or "smollm2-135m") into a
+    bundle at `output`. Options mirror `specgraph compile`: max_context, num_draft, max_ngram."""
+    from specgraph.compiler import CompileConfig, compile_model
+
+    return compile_model(CompileConfig(model=str(model), output=Path(output), method=method, **options))
+
+
+def load(bundle: str | Path, threads: int | None = None, verify: bool = True) -> Engine:
+    """Load a compiled bundle into ONNX Runtime (`threads` = intra-op threads)."""
+    from specgraph.runtime import Engine
+
+    return Engine(bundle, threads=threads, verify=verify)
+
+
+__all__ = ["__version__", "compile", "load"]

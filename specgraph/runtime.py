@@ -1,0 +1,187 @@
+"""Stage 6: the host loop over ONNX Runtime.
+
+`prefill` runs the prompt through the step engine; `step` runs one speculation round. The host
+binds every output onto the matching input of the next call (the KV caches are the same
+buffers in and out, so ONNX Runtime's TensorScatter writes them in place) and emits
+`accepted[:n_accepted]`; it never edits a tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from specgraph.errors import InputError
+from specgraph.exporters.manifest import read_manifest
+
+
+@dataclass
+class GenerationResult:
+    """What `Engine.generate` returns; `as_dict()` is what `specgraph generate --json` prints."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    steps: int  # engine calls after prefill
+    prefill_s: float
+    decode_s: float
+    stop_reason: str  # "max_new_tokens" | "eos" | "max_context"
+    text: str | None = None
+    accepted_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens emitted per target forward after prefill (plain decoding = 1.0)."""
+        return (len(self.output_ids) - 1) / self.steps if self.steps else float(len(self.output_ids) > 0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: tokens after the first over the time of the steps that made them."""
+        return (len(self.output_ids) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_ids": self.prompt_ids,
+            "output_ids": self.output_ids,
+            "text": self.text,
+            "steps": self.steps,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "stop_reason": self.stop_reason,
+        }
+
+
+class Engine:
+    """A compiled bundle loaded into ONNX Runtime. `specgraph.load(DIR)` returns one."""
+
+    def __init__(self, bundle: str | Path, threads: int | None = None, verify: bool = True) -> None:
+        self.bundle = Path(bundle)
+        self.manifest = read_manifest(self.bundle, verify=verify)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.inter_op_num_threads = 1
+        if threads:
+            options.intra_op_num_threads = threads
+        options.log_severity_level = 3  # TensorScatter logs each non-in-place copy as a warning
+        graph = self.bundle / self.manifest["graph"]["file"]
+        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        self.method: str = self.manifest["method"]
+        self.max_context: int = self.manifest["max_context"]
+        self.eos_token_ids: list[int] = list(self.manifest.get("eos_token_ids") or [])
+        self._kv = [v for v in self.manifest["graph"]["inputs"] if v["name"].startswith("past_")]
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            tok_dir = self.manifest.get("tokenizer")
+            if not tok_dir:
+                raise InputError(f"{self.bundle} has no tokenizer (its source had none): pass token ids instead")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.bundle / tok_dir))
+        return self._tokenizer
+
+    def _new_state(self, batch: int) -> dict[str, ort.OrtValue]:
+        """Fresh zeroed caches (and token history) for `batch` rows."""
+        state = {}
+        for v in self._kv:
+            shape = [batch, *v["shape"][1:]]
+            state[v["name"]] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+        if self.method == "lookup":
+            state["history"] = ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, self.max_context + 1), np.int64))
+        return state
+
+    def _call(self, io: ort.IOBinding, feeds: dict[str, Any], state: dict[str, ort.OrtValue]) -> dict[str, Any]:
+        """One engine call; caches are bound in place, every other output comes back as an OrtValue."""
+        io.clear_binding_inputs()
+        io.clear_binding_outputs()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                io.bind_ortvalue_input(name, value)
+            else:
+                io.bind_cpu_input(name, value)
+        for name, value in state.items():
+            io.bind_ortvalue_input(name, value)
+        bound = []
+        for out in self.session.get_outputs():
+            if out.name.startswith("present_"):
+                io.bind_ortvalue_output(out.name, state[out.name.replace("present_", "past_", 1)])  # in place
+            else:
+                io.bind_output(out.name)
+            bound.append(out.name)
+        self.session.run_with_iobinding(io)
+        return dict(zip(bound, io.get_outputs()))
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 64,
+        stop_at_eos: bool = True,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        """Greedy generation for one prompt; `on_tokens` receives each round's new tokens."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise InputError("the prompt is empty")
+        if len(prompt) >= self.max_context:
+            raise InputError(
+                f"prompt has {len(prompt)} tokens but the engine's maximum context is {self.max_context}; "
+                "recompile with a larger --max-context or shorten the prompt"
+            )
+        state = self._new_state(1)
+        io = self.session.io_binding()
+        start = time.perf_counter()
+        feeds: dict[str, Any] = {
+            "tokens": np.asarray([prompt], np.int64),
+            "n_fixed": np.asarray([len(prompt)], np.int64),
+            "cache_len": np.zeros(1, np.int64),
+        }
+        out = self._call(io, feeds, state)
+        prefill_s = time.perf_counter() - start
+        emitted: list[int] = []
+        counts: list[int] = []
+        stop = self._emit(out, emitted, max_new_tokens, stop_at_eos, on_tokens)
+        one = np.ones(1, np.int64)
+        steps = 0
+        start = time.perf_counter()
+        while stop is None:
+            next_tokens, cache_len = out["next_tokens"], out["cache_len_out"]
+            width = next_tokens.shape()[1]
+            if int(cache_len.numpy()[0]) + width > self.max_context:
+                stop = "max_context"
+                break
+            if "history_out" in out:
+                state["history"] = out["history_out"]
+            out = self._call(io, {"tokens": next_tokens, "n_fixed": one, "cache_len": cache_len}, state)
+            steps += 1
+            before = len(emitted)
+            stop = self._emit(out, emitted, max_new_tokens, stop_at_eos, on_tokens)
+            counts.append(len(emitted) - before)
+        decode_s = time.perf_counter() - start
+        return GenerationResult(prompt, emitted, steps, prefill_s, decode_s, stop, None, counts)
+
+    def _emit(self, out, emitted, max_new_tokens, stop_at_eos, on_tokens) -> str | None:  # type: ignore[no-untyped-def]
+        """Append `accepted[:n_accepted]`, cut at EOS or the token budget; say why to stop."""
+        n = int(out["n_accepted"].numpy()[0])
+        new = [int(t) for t in out["accepted"].numpy()[0, :n]]
+        reason = None
+        if stop_at_eos:
+            for i, tok in enumerate(new):
+                if tok in self.eos_token_ids:
+                    new, reason = new[: i + 1], "eos"
+                    break
+        room = max_new_tokens - len(emitted)
+        if len(new) >= room:
+            new, reason = new[:room], reason if len(new) == room and reason else "max_new_tokens"
+        emitted += new
+        if on_tokens and new:
+            on_tokens(new)
+        return reason
