@@ -256,10 +256,13 @@ def _final_norm(lm_head: torch.fx.Node) -> str:
     src = lm_head.args[0]
     while isinstance(src, torch.fx.Node) and src.target in _FEEDS_THROUGH:
         src = src.args[0]
-    if isinstance(src, torch.fx.Node):
-        for path, cls in reversed(_module_stack(src)):
-            if "norm" in cls.lower() or "norm" in path.lower() or path.endswith("ln_f"):
-                return f"{path} ({cls.rsplit('.', 1)[-1]})"
+    if isinstance(src, torch.fx.Node) and _module_stack(src):
+        path, cls = _module_stack(src)[-1]  # the innermost module that produced the hidden state
+        name = cls.rsplit(".", 1)[-1]
+        is_norm_op = src.target in (aten.layer_norm.default, aten.rms_norm.default)
+        named_norm = bool(path) and ("norm" in name.lower() or path.rsplit(".", 1)[-1].startswith(("ln", "norm")))
+        if is_norm_op or named_norm:
+            return f"{path} ({name})"
     raise AnatomyError("no final norm found before lm_head: the LM head reads an un-normalised hidden state")
 
 

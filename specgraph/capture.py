@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from specgraph.errors import AnatomyError
 
 if TYPE_CHECKING:
-    from specgraph.load import LoadedModel
+    from specgraph.loaders import LoadedModel
 
 logger = logging.getLogger("specgraph.capture")
 

@@ -22,7 +22,7 @@ from specgraph.capture import capture
 from specgraph.errors import InputError
 from specgraph.exporters.manifest import describe_values, write_manifest
 from specgraph.exporters.onnx import export_onnx, io_names
-from specgraph.load import LoadedModel, load_model
+from specgraph.loaders import LoadedModel, load_model
 from specgraph.passes import PassContext, PassResult, add_kv_cache_io, insert_tree_attention
 from specgraph.step import StepEngine
 

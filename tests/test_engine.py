@@ -1,0 +1,132 @@
+"""Compiled engines in ONNX Runtime against eager PyTorch and Hugging Face greedy generate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specgraph.runtime import Engine
+from tests.greedy import assert_same_greedy, hf_greedy
+from tests.models.tiny import build
+
+FAMILIES = ["llama", "qwen2", "gpt2", "gemma3"]
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 9, 5, 6],  # repeats: lookup drafts something useful
+    [17, 3, 99, 42, 200, 13, 77],
+    list(range(30, 70)),  # longer than gemma3's sliding window of 16
+]
+NEW_TOKENS = 64
+
+
+@pytest.mark.parametrize("method", ["none", "lookup"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_hf_generate(family, method, tiny_bundle):
+    model = build(family)
+    engine = Engine(tiny_bundle(family, method))
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+        assert len(result.output_ids) == NEW_TOKENS
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+        if method == "none":
+            assert result.steps == NEW_TOKENS - 1 and result.mean_accepted == 1.0
+
+
+def test_lookup_accepts_more_than_one_token_on_repetitive_text(tiny_bundle):
+    engine = Engine(tiny_bundle("llama", "lookup"))
+    result = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+    assert result.mean_accepted > 1.2
+    assert result.steps < NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_eager(family, tiny_bundle):
+    """The engine's logits for a prompt equal eager PyTorch to 1e-4 relative."""
+    model = build(family)
+    engine = Engine(tiny_bundle(family, "none"))
+    prompt = PROMPTS[2]
+    state = engine._new_state(1)
+    feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
+             "cache_len": np.zeros(1, np.int64)}
+    out = engine._call(engine.session.io_binding(), feeds, state)
+    got = out["logits"].numpy()[0]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].numpy()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-4 * scale
+
+
+def test_step_logits_match_eager_with_cache(tiny_bundle):
+    """Decode steps read the cache: each step's logits equal eager logits of the full prefix."""
+    model = build("llama")
+    engine = Engine(tiny_bundle("llama", "none"))
+    prompt = PROMPTS[1]
+    state = engine._new_state(1)
+    io = engine.session.io_binding()
+    feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
+             "cache_len": np.zeros(1, np.int64)}
+    out = engine._call(io, feeds, state)
+    seq = list(prompt)
+    for _ in range(8):
+        token = int(out["next_tokens"].numpy()[0, 0])
+        seq.append(token)
+        feeds = {"tokens": np.asarray([[token]], np.int64), "n_fixed": np.ones(1, np.int64),
+                 "cache_len": out["cache_len_out"].numpy()}
+        out = engine._call(io, feeds, state)
+        with torch.no_grad():
+            want = model(torch.tensor([seq])).logits[0, -1].numpy()
+        got = out["logits"].numpy()[0, -1]
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_verify_of_several_tokens_matches_eager(tiny_bundle):
+    """A chain of drafts verified in one call gives the same logits as eager (tree attention mask)."""
+    model = build("qwen2")
+    engine = Engine(tiny_bundle("qwen2", "none"))
+    prompt, drafts = PROMPTS[1], [9, 8, 7, 6]
+    state = engine._new_state(1)
+    io = engine.session.io_binding()
+    feeds = {"tokens": np.asarray([prompt[:-1]], np.int64), "n_fixed": np.asarray([len(prompt) - 1], np.int64),
+             "cache_len": np.zeros(1, np.int64)}
+    engine._call(io, feeds, state)
+    feeds = {"tokens": np.asarray([[prompt[-1], *drafts]], np.int64), "n_fixed": np.ones(1, np.int64),
+             "cache_len": np.asarray([len(prompt) - 1], np.int64)}
+    got = engine._call(io, feeds, state)["logits"].numpy()[0]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt + drafts])).logits[0, len(prompt) - 1 :].numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_eos_stops_generation(tiny_bundle):
+    engine = Engine(tiny_bundle("llama", "none"))
+    free = engine.generate(PROMPTS[1], max_new_tokens=20, stop_at_eos=False)
+    engine.eos_token_ids = [free.output_ids[5]]
+    stopped = engine.generate(PROMPTS[1], max_new_tokens=20)
+    first = free.output_ids.index(free.output_ids[5])
+    assert stopped.output_ids == free.output_ids[: first + 1]
+    assert stopped.stop_reason == "eos"
+
+
+def test_max_context_stops_generation(tiny_bundle):
+    engine = Engine(tiny_bundle("llama", "lookup"))
+    result = engine.generate(list(range(10, 150)), max_new_tokens=100, stop_at_eos=False)
+    assert result.stop_reason == "max_context"
+    assert len(result.output_ids) < 100
+
+
+def test_user_traced_torch_export_file(tmp_path):
+    """A program the user traced and saved with torch.export.save compiles and decodes greedily."""
+    from specgraph.capture import export_hf
+    from specgraph.compiler import CompileConfig, compile_model
+
+    model = build("llama", seed=3)
+    path = tmp_path / "model.pt2"
+    torch.export.save(export_hf(model, 256), str(path))
+    for method in ("none", "lookup"):
+        bundle = tmp_path / method
+        compile_model(CompileConfig(model=str(path), output=bundle, method=method, max_context=128))
+        engine = Engine(bundle)
+        assert engine.manifest["source"]["kind"] == "torch.export" and engine.manifest["tokenizer"] is None
+        for prompt in PROMPTS[:2]:
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+            assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
