@@ -14,6 +14,7 @@ import onnx
 import torch
 
 from specgraph.errors import ExportError
+from specgraph.exporters.gemm import matmul_to_gemm
 from specgraph.ops import ONNX_TRANSLATIONS
 from specgraph.step import StepEngine
 
@@ -76,5 +77,6 @@ def export_onnx(engine: StepEngine, kv_shapes: list[tuple[int, ...]], path: Path
         raise ExportError(f"ONNX export failed: {str(exc).splitlines()[0]}") from exc
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path), external_data=True)
+    matmul_to_gemm(path)
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)

@@ -23,7 +23,7 @@ from specgraph.errors import InputError
 from specgraph.exporters.manifest import describe_values, write_manifest
 from specgraph.exporters.onnx import export_onnx, io_names
 from specgraph.loaders import LoadedModel, load_model
-from specgraph.passes import PassContext, PassResult, add_kv_cache_io, insert_tree_attention
+from specgraph.passes import PassContext, PassResult, add_kv_cache_io, fuse_projections, insert_tree_attention
 from specgraph.step import StepEngine
 
 logger = logging.getLogger("specgraph.compiler")
@@ -33,8 +33,9 @@ Pass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 PIPELINES: dict[str, list[Pass]] = {
     # insert_tree_attention first: add_kv_cache_io reads the attn_mask input it creates and
     # widens the attended keys from this call's T tokens to the S cache slots.
-    "none": [insert_tree_attention, add_kv_cache_io],
-    "lookup": [insert_tree_attention, add_kv_cache_io],
+    # fuse_projections last: it only merges linears and leaves the nodes the others use alone.
+    "none": [insert_tree_attention, add_kv_cache_io, fuse_projections],
+    "lookup": [insert_tree_attention, add_kv_cache_io, fuse_projections],
 }
 
 

@@ -37,23 +37,56 @@ def _kv_write_onnx(cache, update, write_pos, axis: int):  # type: ignore[no-unty
 ONNX_TRANSLATIONS = {torch.ops.specgraph.kv_write.default: _kv_write_onnx}
 
 
-def grouped_attention(
+@torch.library.custom_op("specgraph::cache_attention", mutates_args=())
+def cache_attention(
     q: torch.Tensor,  # [B, H, T, D]
     k_t: torch.Tensor,  # [B, Hkv, D, S]  keys stored transposed so no step copies the cache
     v: torch.Tensor,  # [B, Hkv, S, D]
     mask: torch.Tensor,  # [B, 1, T, S] bool, True where a query may attend
+    span: torch.Tensor,  # [1] int64: slots [0, span) hold every key any query may see
     scale: float,
 ) -> torch.Tensor:
-    """Masked attention over the whole cache; query heads are grouped onto their KV head (GQA)
-    by reshaping the queries, never by repeating the cache."""
+    """Masked attention over the first `span` cache slots. Query heads are grouped onto their
+    KV head (GQA) by reshaping the queries, never by repeating the cache. Slots past `span` are
+    masked anyway, so the result equals attention over the whole cache; reading only the span
+    makes a step's attention cost follow the context length instead of the cache size."""
+    end = int(span[0])
     b, h, t, d = q.shape
     h_kv = k_t.shape[1]
-    s = k_t.shape[-1]
     group = h // h_kv
-    q_g = q.reshape(b, h_kv, group * t, d)  # [B, Hkv, G*T, D]
-    scores = torch.matmul(q_g, k_t) * scale  # [B, Hkv, G*T, S]
-    scores = scores.view(b, h_kv, group, t, s)
-    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask [B, 1, 1, T, S]
-    probs = torch.softmax(scores, dim=-1).view(b, h_kv, group * t, s)
-    out = torch.matmul(probs, v)  # [B, Hkv, G*T, D]
-    return out.view(b, h, t, d)
+    q_g = q.reshape(b, h_kv, group * t, d)  # [B, Hkv, G*T, D]: rows ordered (g, t)
+    scores = torch.matmul(q_g, k_t[..., :end]) * scale  # [B, Hkv, G*T, W]
+    visible = mask[..., :end].repeat(1, 1, group, 1)  # [B, 1, G*T, W]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v[:, :, :end])  # [B, Hkv, G*T, D]
+    return out.reshape(b, h, t, d)
+
+
+@cache_attention.register_fake
+def _cache_attention_fake(q, k_t, v, mask, span, scale):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
+
+
+def _cache_attention_onnx(q, k_t, v, mask, span, scale: float):  # type: ignore[no-untyped-def]
+    op = _OPSET24
+    zero = op.Constant(value_ints=[0])
+    k_w = op.Slice(k_t, zero, span, op.Constant(value_ints=[3]))  # [B, Hkv, D, W]
+    v_w = op.Slice(v, zero, span, op.Constant(value_ints=[2]))  # [B, Hkv, W, D]
+    m_w = op.Slice(mask, zero, span, op.Constant(value_ints=[3]))  # [B, 1, T, W]
+    q_shape = op.Shape(q)
+    h_kv = op.Shape(k_t, start=1, end=2)
+    head_dim = op.Shape(q, start=3, end=4)
+    group = op.Div(op.Shape(q, start=1, end=2), h_kv)
+    q_g = op.Reshape(q, op.Concat(op.Constant(value_ints=[0]), h_kv, op.Constant(value_ints=[-1]), head_dim, axis=0))
+    scores = op.Mul(op.MatMul(q_g, k_w), op.CastLike(op.Constant(value_float=scale), q))  # [B, Hkv, G*T, W]
+    visible = op.Tile(m_w, op.Concat(op.Constant(value_ints=[1, 1]), group, op.Constant(value_ints=[1]), axis=0))
+    neg_inf = op.CastLike(op.Constant(value_float=float("-inf")), q)
+    probs = op.Softmax(op.Where(visible, scores, neg_inf), axis=-1)
+    return op.Reshape(op.MatMul(probs, v_w), q_shape)  # [B, H, T, D]
+
+
+ONNX_TRANSLATIONS = {
+    torch.ops.specgraph.kv_write.default: _kv_write_onnx,
+    torch.ops.specgraph.cache_attention.default: _cache_attention_onnx,
+}

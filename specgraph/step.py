@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-# Position embeddings' own masking needs slot indices as int64 everywhere.
 _I64 = torch.int64
+_SPAN_BUCKET = 64  # attention reads cache slots in multiples of this
 
 
 class StepEngine(torch.nn.Module):
@@ -62,7 +62,10 @@ class StepEngine(torch.nn.Module):
         if self.sliding_window:
             recent = (positions[:, None, :, None] - slots[None, None, None, :]) < self.sliding_window
             masks.append(mask & recent)
-        logits, *present = self.target(tokens, positions, *masks, cache_len, *kv)
+        # Attend over the used slots only, rounded up to a bucket so shapes repeat.
+        reach = cache_len.max() + t
+        span = torch.clamp((reach + _SPAN_BUCKET - 1) // _SPAN_BUCKET * _SPAN_BUCKET, max=s).reshape(1)  # [1]
+        logits, *present = self.target(tokens, positions, *masks, cache_len, span, *kv)
         accepted, n_accepted, bonus, committed = _accept_greedy(tokens, logits, n_fixed)
         cache_len_out = cache_len + committed  # [B]
         outputs = [accepted, n_accepted]

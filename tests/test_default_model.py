@@ -1,0 +1,69 @@
+"""SmolLM2-135M-Instruct, the embedded default: engines against Hugging Face greedy generate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specgraph.compiler import CompileConfig, compile_model
+from specgraph.runtime import Engine
+from tests.greedy import assert_same_greedy, hf_greedy
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 64
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence, then repeat the answer.",
+    "List three colours of the rainbow.",
+]
+
+
+@pytest.fixture(scope="module")
+def default(tmp_path_factory):
+    from specgraph.loaders import load_model
+
+    loaded = load_model("smollm2-135m")
+    out = tmp_path_factory.mktemp("smollm2")
+    bundles = {}
+    for method in ("none", "lookup"):
+        cfg = CompileConfig(model="smollm2-135m", output=out / method, method=method, max_context=512,
+                            emit_logits=method == "none")
+        compile_model(cfg)
+        bundles[method] = Engine(out / method, threads=2)
+    return loaded, bundles
+
+
+def _chat_ids(engine: Engine, text: str) -> list[int]:
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_greedy_equals_hf_generate(default):
+    loaded, bundles = default
+    for text in PROMPTS:
+        prompt = _chat_ids(bundles["none"], text)
+        want = hf_greedy(loaded.hf_model, prompt, NEW_TOKENS)
+        for method, engine in bundles.items():
+            got = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids
+            assert_same_greedy(loaded.hf_model, prompt, got, want)
+
+
+def test_logits_match_eager(default):
+    loaded, bundles = default
+    engine = bundles["none"]
+    prompt = _chat_ids(engine, PROMPTS[0])
+    feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
+             "cache_len": np.zeros(1, np.int64)}
+    got = engine._call(engine.session.io_binding(), feeds, engine._new_state(1))["logits"].numpy()[0]
+    with torch.no_grad():
+        want = loaded.hf_model(torch.tensor([prompt])).logits[0].numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_bundle_stores_weights_once(default):
+    _, bundles = default
+    bundle = bundles["none"].bundle
+    data = (bundle / "model.onnx.data").stat().st_size
+    assert 530e6 < data < 545e6  # 134.5M fp32 parameters, the tied head not duplicated
+    assert bundles["none"].manifest["eos_token_ids"] == [2]
