@@ -49,8 +49,9 @@ def matmul_to_gemm(path: Path, leading_input: str = "tokens") -> int:
     _drop_dead(graph)
     data = path.name + ".data"
     (path.parent / data).unlink(missing_ok=True)
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
-                    size_threshold=1024)
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data, size_threshold=1024
+    )
     logger.debug("rewrote %d MatMuls as Gemm(transB=1)", changed)
     return changed
 
@@ -104,7 +105,9 @@ def _gemm_nodes(node, weight, rank, n_out, shapes, leading_input, graph) -> list
 
 def _output_shape_nodes(n_out: int, name: str, leading_input: str) -> list[onnx.NodeProto]:
     """[B, T, n_out] from the shape of the engine's token input (every hidden state is [B, T, ...])."""
-    const = helper.make_node("Constant", [], [f"{name}_n"], value=numpy_helper.from_array(np.asarray([n_out], np.int64)))
+    const = helper.make_node(
+        "Constant", [], [f"{name}_n"], value=numpy_helper.from_array(np.asarray([n_out], np.int64))
+    )
     lead = helper.make_node("Shape", [leading_input], [f"{name}_bt"], end=2)
     cat = helper.make_node("Concat", [f"{name}_bt", f"{name}_n"], [name], axis=0)
     return [const, lead, cat]

@@ -75,6 +75,8 @@ def export_onnx(engine: StepEngine, kv_shapes: list[tuple[int, ...]], path: Path
             )
     except Exception as exc:  # the exporter raises many types; ours names the stage
         raise ExportError(f"ONNX export failed: {str(exc).splitlines()[0]}") from exc
+    if program is None:
+        raise ExportError("ONNX export returned no program")
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path), external_data=True)
     matmul_to_gemm(path)

@@ -65,7 +65,7 @@ def set_outputs(gm: torch.fx.GraphModule, values: list[torch.fx.Node]) -> None:
 class PassContext:
     """What every pass may read: the recognised anatomy and the cache length."""
 
-    anatomy: "Anatomy"
+    anatomy: Anatomy
     max_context: int
 
 

@@ -74,7 +74,8 @@ def _fuse(gm: torch.fx.GraphModule, source: torch.fx.Node, group: list[torch.fx.
         gm.graph.erase_node(user)
 
 
-def _attr(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor:
+def _attr(gm: torch.fx.GraphModule, node: object) -> torch.Tensor:
+    assert isinstance(node, torch.fx.Node)
     obj: object = gm
     for part in str(node.target).split("."):
         obj = getattr(obj, part)

@@ -1,9 +1,9 @@
 """specgraph: compile a traced language model into a lossless speculative-decoding engine.
 
-    import specgraph
-    report = specgraph.compile("smollm2-135m", "out/", method="lookup")
-    engine = specgraph.load("out/")
-    result = engine.generate(engine.tokenizer.encode("def fib(n):"), max_new_tokens=64)
+import specgraph
+report = specgraph.compile("smollm2-135m", "out/", method="lookup")
+engine = specgraph.load("out/")
+result = engine.generate(engine.tokenizer.encode("def fib(n):"), max_new_tokens=64)
 """
 
 from __future__ import annotations

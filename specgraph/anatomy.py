@@ -176,7 +176,7 @@ def _site_from_sdpa(node: torch.fx.Node, index: int, windows: dict[int, int]) ->
     if heads % kv_heads:
         raise AnatomyError(f"attention in block {layer}: {heads} query heads do not group onto {kv_heads} KV heads")
     scale = node.kwargs.get("scale")
-    scale = float(scale) if scale is not None else head_dim**-0.5
+    scale = float(scale) if isinstance(scale, (int, float)) else head_dim**-0.5
     return AttentionSite(node, layer, q, k_src, v_src, scale, heads, kv_heads, head_dim, windows.get(layer))  # type: ignore[arg-type]
 
 

@@ -9,11 +9,10 @@ the passes rewrite.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
-
-from typing import TYPE_CHECKING
 
 from specgraph.errors import AnatomyError
 

@@ -47,44 +47,74 @@ def _token_ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specgraph", description="Compile language models into lossless speculative-decoding engines.")
+    parser = _Parser(
+        prog="specgraph", description="Compile language models into lossless speculative-decoding engines."
+    )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
-    c = sub.add_parser("compile", help="compile a model into an engine bundle", description=(
-        "Compile MODEL into a bundle (ONNX step engine, tokenizer, manifest.json). MODEL is a torch.export "
-        "file (.pt/.pt2), a Hugging Face folder, a .gguf file, or 'smollm2-135m' (the embedded default)."))
+    c = sub.add_parser(
+        "compile",
+        help="compile a model into an engine bundle",
+        description=(
+            "Compile MODEL into a bundle (ONNX step engine, tokenizer, manifest.json). MODEL is a torch.export "
+            "file (.pt/.pt2), a Hugging Face folder, a .gguf file, or 'smollm2-135m' (the embedded default)."
+        ),
+    )
     c.add_argument("model", help="model file or folder, or 'smollm2-135m'")
     c.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write (replaced if present)")
-    c.add_argument("--method", default="none", choices=["none", "lookup"],
-                   help="none: plain decoding (the baseline); lookup: prompt-lookup drafting with greedy verification")
-    c.add_argument("--max-context", type=_positive, default=1024, help="KV-cache slots: prompt plus output tokens (default 1024)")
+    c.add_argument(
+        "--method",
+        default="none",
+        choices=["none", "lookup"],
+        help="none: plain decoding (the baseline); lookup: prompt-lookup drafting with greedy verification",
+    )
+    c.add_argument(
+        "--max-context", type=_positive, default=1024, help="KV-cache slots: prompt plus output tokens (default 1024)"
+    )
     c.add_argument("--num-draft", type=_positive, default=7, help="lookup: draft tokens verified per step (default 7)")
-    c.add_argument("--max-ngram", type=_positive, default=3, help="lookup: longest n-gram matched in the context (default 3)")
+    c.add_argument(
+        "--max-ngram", type=_positive, default=3, help="lookup: longest n-gram matched in the context (default 3)"
+    )
     c.add_argument("--emit-logits", action="store_true", help="also output logits (for testing; slower)")
     c.add_argument("--json", action="store_true", help="print the compile report as JSON")
 
-    g = sub.add_parser("generate", help="generate text from a bundle", description="Greedy generation, streamed as it is produced.")
+    g = sub.add_parser(
+        "generate", help="generate text from a bundle", description="Greedy generation, streamed as it is produced."
+    )
     g.add_argument("bundle", type=Path, help="bundle directory from `specgraph compile`")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (encoded with the bundle's tokenizer)")
     src.add_argument("--prompt-ids", type=_token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     g.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens to generate at most (default 128)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--threads", type=_positive, default=None, help="ONNX Runtime intra-op threads (default: ORT's choice)")
+    g.add_argument(
+        "--threads", type=_positive, default=None, help="ONNX Runtime intra-op threads (default: ORT's choice)"
+    )
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-verify", action="store_true", help="skip the bundle's sha256 checks (faster load)")
 
-    b = sub.add_parser("bench", help="measure a bundle against plain decoding", description=(
-        "Measure tokens/s and mean accepted length on a prompt set. For a 'none' bundle also Hugging Face "
-        "generate, the memory-bandwidth floor and the verify-cost curve c(N)/c(1)."))
+    b = sub.add_parser(
+        "bench",
+        help="measure a bundle against plain decoding",
+        description=(
+            "Measure tokens/s and mean accepted length on a prompt set. For a 'none' bundle also Hugging Face "
+            "generate, the memory-bandwidth floor and the verify-cost curve c(N)/c(1)."
+        ),
+    )
     b.add_argument("bundle", type=Path, help="bundle directory")
-    b.add_argument("--prompts", required=True, help="JSONL file with a 'prompt' field per line (.gz ok), or humaneval|chat|creative|repeat")
+    b.add_argument(
+        "--prompts",
+        required=True,
+        help="JSONL file with a 'prompt' field per line (.gz ok), or humaneval|chat|creative|repeat",
+    )
     b.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens per prompt (default 64)")
     b.add_argument("--limit", type=_positive, default=None, help="use only the first N prompts")
     b.add_argument("--threads", type=_positive, default=2, help="ONNX Runtime and torch threads (default 2)")
-    b.add_argument("--reference", type=Path, default=None, help="a 'none' bundle of the same model to compare with in the same run")
+    b.add_argument(
+        "--reference", type=Path, default=None, help="a 'none' bundle of the same model to compare with in the same run"
+    )
     b.add_argument("--no-baseline", action="store_true", help="skip Hugging Face generate and the floor (none bundles)")
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
     b.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the full result as JSON to OUT")
@@ -100,15 +130,26 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     from specgraph.compiler import PIPELINES, CompileConfig, compile_model
 
-    cfg = CompileConfig(model=args.model, output=args.output, method=args.method, max_context=args.max_context,
-                        num_draft=args.num_draft, max_ngram=args.max_ngram, emit_logits=args.emit_logits)
+    cfg = CompileConfig(
+        model=args.model,
+        output=args.output,
+        method=args.method,
+        max_context=args.max_context,
+        num_draft=args.num_draft,
+        max_ngram=args.max_ngram,
+        emit_logits=args.emit_logits,
+    )
     cfg.check()
     stages = ["load", "capture", "anatomy", *(p.__name__ for p in PIPELINES[cfg.method]), "export onnx"]
-    with tqdm(total=len(stages), desc="compile", unit="stage", file=sys.stderr, disable=True if args.json else None) as bar:
+    with tqdm(
+        total=len(stages), desc="compile", unit="stage", file=sys.stderr, disable=True if args.json else None
+    ) as bar:
+
         def progress(stage: str) -> None:
             bar.set_postfix_str(stage)
             if stage != "load":
                 bar.update(1)
+
         report = compile_model(cfg, progress)
         bar.update(1)
     if args.json:
@@ -116,8 +157,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     else:
         a = report.anatomy
         print(f"compiled {args.model} -> {report.bundle} (method {report.method})")
-        print(f"  anatomy: {a['decoder_blocks']} blocks, {a['attention']['num_heads']} heads / "
-              f"{a['attention']['num_kv_heads']} kv heads, positions {a['positions']['kind']}, vocab {a['vocab_size']}")
+        print(
+            f"  anatomy: {a['decoder_blocks']} blocks, {a['attention']['num_heads']} heads / "
+            f"{a['attention']['num_kv_heads']} kv heads, positions {a['positions']['kind']}, vocab {a['vocab_size']}"
+        )
         for name, counts in report.pass_counts.items():
             print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
         print("  seconds: " + ", ".join(f"{k} {v}" for k, v in report.seconds.items()))
@@ -131,7 +174,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         tok = engine.tokenizer
         if args.chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
+            )
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         else:
             ids = tok.encode(args.prompt)
@@ -143,8 +188,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if any(not 0 <= t < vocab for t in ids):
             raise InputError(f"--prompt-ids must lie in [0, {vocab}) for this model")
     stream = None if args.json else _Streamer(engine)
-    result = engine.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=not args.ignore_eos,
-                             on_tokens=stream.push if stream else None)
+    result = engine.generate(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        stop_at_eos=not args.ignore_eos,
+        on_tokens=stream.push if stream else None,
+    )
     if engine.manifest.get("tokenizer"):
         result.text = engine.tokenizer.decode(result.output_ids, skip_special_tokens=True)
     if args.json:
@@ -176,7 +225,7 @@ class _Streamer:
         text = self.engine.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return  # an incomplete character; wait for the next token
-        print(text[self.shown:], end="", flush=True)
+        print(text[self.shown :], end="", flush=True)
         self.shown = len(text)
 
     def finish(self) -> None:
@@ -186,9 +235,16 @@ class _Streamer:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specgraph.bench import format_report, run_bench
 
-    result = run_bench(str(args.bundle), args.prompts, max_new_tokens=args.max_new_tokens, threads=args.threads,
-                       limit=args.limit, baseline=not args.no_baseline, chat=not args.no_chat,
-                       reference=str(args.reference) if args.reference else None)
+    result = run_bench(
+        str(args.bundle),
+        args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        threads=args.threads,
+        limit=args.limit,
+        baseline=not args.no_baseline,
+        chat=not args.no_chat,
+        reference=str(args.reference) if args.reference else None,
+    )
     print(format_report(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -7,6 +7,8 @@ place when the host binds the output to the input buffer, so a step never copies
 
 from __future__ import annotations
 
+from typing import Any
+
 import onnxscript
 import torch
 
@@ -32,9 +34,6 @@ def _kv_write_fake(cache: torch.Tensor, update: torch.Tensor, write_pos: torch.T
 
 def _kv_write_onnx(cache, update, write_pos, axis: int):  # type: ignore[no-untyped-def]
     return _OPSET24.TensorScatter(cache, update, write_pos, axis=axis, mode="linear")
-
-
-ONNX_TRANSLATIONS = {torch.ops.specgraph.kv_write.default: _kv_write_onnx}
 
 
 @torch.library.custom_op("specgraph::cache_attention", mutates_args=())
@@ -86,7 +85,7 @@ def _cache_attention_onnx(q, k_t, v, mask, span, scale: float):  # type: ignore[
     return op.Reshape(op.MatMul(probs, v_w), q_shape)  # [B, H, T, D]
 
 
-ONNX_TRANSLATIONS = {
+ONNX_TRANSLATIONS: dict[Any, Any] = {
     torch.ops.specgraph.kv_write.default: _kv_write_onnx,
     torch.ops.specgraph.cache_attention.default: _cache_attention_onnx,
 }

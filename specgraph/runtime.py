@@ -118,7 +118,7 @@ class Engine:
                 io.bind_output(out.name)
             bound.append(out.name)
         self.session.run_with_iobinding(io)
-        return dict(zip(bound, io.get_outputs()))
+        return dict(zip(bound, io.get_outputs(), strict=False))
 
     def generate(
         self,

@@ -36,8 +36,14 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_folder):
         key = (family, method)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"bundle_{family}_{method}") / "bundle"
-            cfg = CompileConfig(model=str(tiny_folder(family)), output=out, method=method, max_context=160,
-                                num_draft=5, emit_logits=True)
+            cfg = CompileConfig(
+                model=str(tiny_folder(family)),
+                output=out,
+                method=method,
+                max_context=160,
+                num_draft=5,
+                emit_logits=True,
+            )
             compile_model(cfg)
             cache[key] = out
         return cache[key]

@@ -10,7 +10,7 @@ TIE_MARGIN = 1e-4  # relative gap between the top two logits below which argmax 
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -20,8 +20,10 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Plain greedy `generate` for exactly n tokens: EOS is disabled, not suppressed (suppressing
     it with min_new_tokens would change the argmax wherever EOS is the top choice)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def assert_same_greedy(model: torch.nn.Module, prompt: list[int], got: list[int], want: list[int]) -> None:
@@ -36,7 +38,9 @@ def assert_same_greedy(model: torch.nn.Module, prompt: list[int], got: list[int]
     top = torch.topk(logits, 2).values
     gap = float(top[0] - top[1]) / max(float(logits.abs().max()), 1e-6)
     if gap < TIE_MARGIN:
-        warnings.warn(f"argmax tie at new token {i}: top-2 relative gap {gap:.2e}; engine {got[i]}, eager {want[i]}")
+        warnings.warn(
+            f"argmax tie at new token {i}: top-2 relative gap {gap:.2e}; engine {got[i]}, eager {want[i]}", stacklevel=2
+        )
         return
     raise AssertionError(
         f"engine diverges from greedy at new token {i}: engine {got[i]}, eager {want[i]} (top-2 gap {gap:.2e}, not a tie)"

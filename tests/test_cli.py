@@ -67,8 +67,11 @@ def test_inspect_json(tiny_folder):
 
 def test_generate_json_and_errors(tiny_bundle, tmp_path):
     bundle = tiny_bundle("llama", "lookup")
-    out = json.loads(_run("generate", str(bundle), "--prompt-ids", "5,6,7,8,5,6,7", "--max-new-tokens", "12",
-                          "--ignore-eos", "--json").stdout)
+    out = json.loads(
+        _run(
+            "generate", str(bundle), "--prompt-ids", "5,6,7,8,5,6,7", "--max-new-tokens", "12", "--ignore-eos", "--json"
+        ).stdout
+    )
     for key in ("prompt_ids", "output_ids", "text", "steps", "mean_accepted", "tokens_per_s"):
         assert key in out
     assert len(out["output_ids"]) == 12 and out["prompt_ids"] == [5, 6, 7, 8, 5, 6, 7]
@@ -90,7 +93,9 @@ def test_anatomy_failure_names_what_is_missing(tmp_path):
     from tests.test_anatomy import _NoAttention
 
     t = torch.export.Dim("t", min=2, max=32)
-    ep = torch.export.export(_NoAttention(), (torch.zeros(1, 4, dtype=torch.long),), dynamic_shapes={"input_ids": {1: t}})
+    ep = torch.export.export(
+        _NoAttention(), (torch.zeros(1, 4, dtype=torch.long),), dynamic_shapes={"input_ids": {1: t}}
+    )
     path = tmp_path / "noattn.pt2"
     torch.export.save(ep, str(path))
     _one_line_error(_run("compile", str(path), "-o", str(tmp_path / "out"), ok=False), "no attention site found")
@@ -98,4 +103,6 @@ def test_anatomy_failure_names_what_is_missing(tmp_path):
 
 @pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--prompt-ids", "a,b"]])
 def test_bad_values(bad, tmp_path):
-    _one_line_error(_run("generate", str(tmp_path), *(["--prompt-ids", "1"] if "--prompt-ids" not in bad else []), *bad, ok=False))
+    _one_line_error(
+        _run("generate", str(tmp_path), *(["--prompt-ids", "1"] if "--prompt-ids" not in bad else []), *bad, ok=False)
+    )

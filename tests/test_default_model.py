@@ -27,8 +27,9 @@ def default(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2")
     bundles = {}
     for method in ("none", "lookup"):
-        cfg = CompileConfig(model="smollm2-135m", output=out / method, method=method, max_context=512,
-                            emit_logits=method == "none")
+        cfg = CompileConfig(
+            model="smollm2-135m", output=out / method, method=method, max_context=512, emit_logits=method == "none"
+        )
         compile_model(cfg)
         bundles[method] = Engine(out / method, threads=2)
     return loaded, bundles
@@ -44,7 +45,7 @@ def test_greedy_equals_hf_generate(default):
     for text in PROMPTS:
         prompt = _chat_ids(bundles["none"], text)
         want = hf_greedy(loaded.hf_model, prompt, NEW_TOKENS)
-        for method, engine in bundles.items():
+        for _method, engine in bundles.items():
             got = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids
             assert_same_greedy(loaded.hf_model, prompt, got, want)
 
@@ -53,8 +54,11 @@ def test_logits_match_eager(default):
     loaded, bundles = default
     engine = bundles["none"]
     prompt = _chat_ids(engine, PROMPTS[0])
-    feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
-             "cache_len": np.zeros(1, np.int64)}
+    feeds = {
+        "tokens": np.asarray([prompt], np.int64),
+        "n_fixed": np.asarray([len(prompt)], np.int64),
+        "cache_len": np.zeros(1, np.int64),
+    }
     got = engine._call(engine.session.io_binding(), feeds, engine._new_state(1))["logits"].numpy()[0]
     with torch.no_grad():
         want = loaded.hf_model(torch.tensor([prompt])).logits[0].numpy()

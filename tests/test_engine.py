@@ -46,8 +46,11 @@ def test_prefill_logits_match_eager(family, tiny_bundle):
     engine = Engine(tiny_bundle(family, "none"))
     prompt = PROMPTS[2]
     state = engine._new_state(1)
-    feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
-             "cache_len": np.zeros(1, np.int64)}
+    feeds = {
+        "tokens": np.asarray([prompt], np.int64),
+        "n_fixed": np.asarray([len(prompt)], np.int64),
+        "cache_len": np.zeros(1, np.int64),
+    }
     out = engine._call(engine.session.io_binding(), feeds, state)
     got = out["logits"].numpy()[0]
     with torch.no_grad():
@@ -63,15 +66,21 @@ def test_step_logits_match_eager_with_cache(tiny_bundle):
     prompt = PROMPTS[1]
     state = engine._new_state(1)
     io = engine.session.io_binding()
-    feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
-             "cache_len": np.zeros(1, np.int64)}
+    feeds = {
+        "tokens": np.asarray([prompt], np.int64),
+        "n_fixed": np.asarray([len(prompt)], np.int64),
+        "cache_len": np.zeros(1, np.int64),
+    }
     out = engine._call(io, feeds, state)
     seq = list(prompt)
     for _ in range(8):
         token = int(out["next_tokens"].numpy()[0, 0])
         seq.append(token)
-        feeds = {"tokens": np.asarray([[token]], np.int64), "n_fixed": np.ones(1, np.int64),
-                 "cache_len": out["cache_len_out"].numpy()}
+        feeds = {
+            "tokens": np.asarray([[token]], np.int64),
+            "n_fixed": np.ones(1, np.int64),
+            "cache_len": out["cache_len_out"].numpy(),
+        }
         out = engine._call(io, feeds, state)
         with torch.no_grad():
             want = model(torch.tensor([seq])).logits[0, -1].numpy()
@@ -86,11 +95,17 @@ def test_verify_of_several_tokens_matches_eager(tiny_bundle):
     prompt, drafts = PROMPTS[1], [9, 8, 7, 6]
     state = engine._new_state(1)
     io = engine.session.io_binding()
-    feeds = {"tokens": np.asarray([prompt[:-1]], np.int64), "n_fixed": np.asarray([len(prompt) - 1], np.int64),
-             "cache_len": np.zeros(1, np.int64)}
+    feeds = {
+        "tokens": np.asarray([prompt[:-1]], np.int64),
+        "n_fixed": np.asarray([len(prompt) - 1], np.int64),
+        "cache_len": np.zeros(1, np.int64),
+    }
     engine._call(io, feeds, state)
-    feeds = {"tokens": np.asarray([[prompt[-1], *drafts]], np.int64), "n_fixed": np.ones(1, np.int64),
-             "cache_len": np.asarray([len(prompt) - 1], np.int64)}
+    feeds = {
+        "tokens": np.asarray([[prompt[-1], *drafts]], np.int64),
+        "n_fixed": np.ones(1, np.int64),
+        "cache_len": np.asarray([len(prompt) - 1], np.int64),
+    }
     got = engine._call(io, feeds, state)["logits"].numpy()[0]
     with torch.no_grad():
         want = model(torch.tensor([prompt + drafts])).logits[0, len(prompt) - 1 :].numpy()

@@ -80,11 +80,20 @@ def test_kv_cache_io_decodes_like_a_full_forward(family):
             return [full, full & recent]
 
         prefill, chunk = 16, 4
-        logits, *kv = gm(seq[:, :prefill], torch.arange(prefill)[None], *masks(prefill, 0), torch.tensor([0]), torch.tensor([S]), *kv)
+        logits, *kv = gm(
+            seq[:, :prefill], torch.arange(prefill)[None], *masks(prefill, 0), torch.tensor([0]), torch.tensor([S]), *kv
+        )
         torch.testing.assert_close(logits[0], want[:prefill], rtol=1e-4, atol=1e-5)
         for start in range(prefill, 24, chunk):
             pos = torch.arange(start, start + chunk)[None]
-            logits, *kv = gm(seq[:, start : start + chunk], pos, *masks(chunk, start), torch.tensor([start]), torch.tensor([start + chunk]), *kv)
+            logits, *kv = gm(
+                seq[:, start : start + chunk],
+                pos,
+                *masks(chunk, start),
+                torch.tensor([start]),
+                torch.tensor([start + chunk]),
+                *kv,
+            )
             torch.testing.assert_close(logits[0], want[start : start + chunk], rtol=1e-4, atol=1e-5)
 
 

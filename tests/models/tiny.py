@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    Gemma3TextConfig,
     Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -20,30 +20,64 @@ VOCAB = 256
 
 
 def _llama() -> torch.nn.Module:
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=VOCAB - 1, bos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=1,
+    )
     return LlamaForCausalLM(cfg)
 
 
 def _qwen2() -> torch.nn.Module:
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
-                      eos_token_id=VOCAB - 1, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=VOCAB - 1,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(cfg)
 
 
 def _gpt2() -> torch.nn.Module:
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
-                     eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 1)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=512,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=VOCAB - 1,
+    )
     return GPT2LMHeadModel(cfg)
 
 
 def _gemma3() -> torch.nn.Module:
-    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                           sliding_window=16, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           eos_token_id=VOCAB - 1, pad_token_id=0, bos_token_id=2)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        eos_token_id=VOCAB - 1,
+        pad_token_id=0,
+        bos_token_id=2,
+    )
     return Gemma3ForCausalLM(cfg)
 
 
