@@ -2,7 +2,18 @@
 
 from specgraph.passes._infra import PassContext, PassResult, cleanup
 from specgraph.passes.add_kv_cache_io import add_kv_cache_io
+from specgraph.passes.add_kv_compaction import add_kv_compaction
+from specgraph.passes.add_medusa_heads import add_medusa_heads
 from specgraph.passes.fuse_projections import fuse_projections
 from specgraph.passes.insert_tree_attention import insert_tree_attention
 
-__all__ = ["PassContext", "PassResult", "add_kv_cache_io", "cleanup", "fuse_projections", "insert_tree_attention"]
+__all__ = [
+    "PassContext",
+    "PassResult",
+    "add_kv_cache_io",
+    "add_kv_compaction",
+    "add_medusa_heads",
+    "cleanup",
+    "fuse_projections",
+    "insert_tree_attention",
+]

@@ -67,6 +67,8 @@ class PassContext:
 
     anatomy: Anatomy
     max_context: int
+    medusa_heads: MedusaHeads | None = None  # add_medusa_heads attaches these
 
 
-from specgraph.anatomy import Anatomy  # noqa: E402  (type used in the annotation above)
+from specgraph.anatomy import Anatomy  # noqa: E402  (types used in the annotations above)
+from specgraph.medusa import MedusaHeads  # noqa: E402

@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--max-ngram", type=_positive, default=3, help="lookup: longest n-gram matched in the context (default 3)"
     )
+    c.add_argument(
+        "--heads",
+        default=None,
+        help="medusa: heads file from `specgraph train` (default: the shipped heads for smollm2-135m)",
+    )
+    c.add_argument(
+        "--tree",
+        default="default",
+        help="medusa: candidate tree: a preset (default, chain-4, mc_sim_7b_63), "
+        "a Medusa-format JSON file (list of paths), or 'auto' (best expected tokens/s from the heads' "
+        "measured acceptance and this engine's measured verify cost)",
+    )
     c.add_argument("--emit-logits", action="store_true", help="also output logits (for testing; slower)")
     c.add_argument("--json", action="store_true", help="print the compile report as JSON")
 
@@ -119,6 +131,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
     b.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the full result as JSON to OUT")
 
+    t = sub.add_parser(
+        "train",
+        help="train Medusa heads by self-distillation",
+        description=(
+            "Train Medusa heads on the frozen target's own greedy output for PROMPTS; only the heads learn. "
+            "Prints per-head top-1/top-5 accuracy on held-out text and stores the measured acceptance in the file "
+            "(compile --tree auto uses it)."
+        ),
+    )
+    t.add_argument("model", help="model file or folder, or 'smollm2-135m'")
+    t.add_argument("--method", default="medusa", choices=["medusa"], help="what to train (only medusa today)")
+    t.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line, or a shipped set name")
+    t.add_argument("-o", "--output", required=True, type=Path, help="heads file to write (.safetensors)")
+    t.add_argument("--heads", type=_positive, default=4, help="number of Medusa heads (default 4)")
+    t.add_argument("--epochs", type=_positive, default=3, help="passes over the training positions (default 3)")
+    t.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens generated per prompt (default 128)")
+    t.add_argument("--threads", type=_positive, default=2, help="torch and ONNX Runtime threads (default 2)")
+    t.add_argument("--json", action="store_true", help="print the training report as JSON")
+
     i = sub.add_parser("inspect", help="show what the compiler recognises in a model")
     i.add_argument("model", help="model file or folder, or 'smollm2-135m'")
     i.add_argument("--json", action="store_true", help="print JSON")
@@ -141,6 +172,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     )
     cfg.check()
     stages = ["load", "capture", "anatomy", *(p.__name__ for p in PIPELINES[cfg.method]), "export onnx"]
+    stages += ["measure tree"] if cfg.method == "medusa" and cfg.tree == "auto" else []
     with tqdm(
         total=len(stages), desc="compile", unit="stage", file=sys.stderr, disable=True if args.json else None
     ) as bar:
@@ -164,6 +196,17 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         for name, counts in report.pass_counts.items():
             print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
         print("  seconds: " + ", ".join(f"{k} {v}" for k, v in report.seconds.items()))
+        if report.medusa:
+            m = report.medusa
+            print(
+                f"  medusa: {m['num_heads']} heads, tree {m['tree_source']} ({m['tree_size']} nodes, depth {m['tree_depth']})"
+            )
+            if "auto_tree" in m:
+                a = m["auto_tree"]
+                print(
+                    f"  auto tree: expected {a['expected_tokens']:.2f} tokens/step at c(N)/c(1) {a['cost']:.2f}: "
+                    f"predicted {a['speedup']:.2f}x"
+                )
     return 0
 
 
@@ -251,6 +294,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from specgraph.train import train_medusa
+
+    report = train_medusa(model=args.model, prompts=args.prompts, output=args.output, num_heads=args.heads,
+                          epochs=args.epochs, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                          progress=not args.json)  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from specgraph.anatomy import analyze
     from specgraph.capture import capture
@@ -268,7 +322,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"compile": _cmd_compile, "generate": _cmd_generate, "bench": _cmd_bench, "inspect": _cmd_inspect}
+_COMMANDS = {"compile": _cmd_compile, "generate": _cmd_generate, "bench": _cmd_bench, "train": _cmd_train,
+             "inspect": _cmd_inspect}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ that says which rewrites a method needs.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -15,19 +16,32 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from specgraph.anatomy import Anatomy, analyze
 from specgraph.capture import capture
 from specgraph.errors import InputError
 from specgraph.exporters.manifest import describe_values, write_manifest
-from specgraph.exporters.onnx import export_onnx, io_names
+from specgraph.exporters.onnx import export_onnx
 from specgraph.loaders import LoadedModel, load_model
-from specgraph.passes import PassContext, PassResult, add_kv_cache_io, fuse_projections, insert_tree_attention
+from specgraph.medusa import MedusaHeads, load_heads
+from specgraph.passes import (
+    PassContext,
+    PassResult,
+    add_kv_cache_io,
+    add_kv_compaction,
+    add_medusa_heads,
+    fuse_projections,
+    insert_tree_attention,
+)
 from specgraph.step import StepEngine
+from specgraph.step_tree import TOPK, TreeStepEngine
+from specgraph.tree import DEFAULT_TREE, Tree, build_tree, load_tree, named_tree
 
 logger = logging.getLogger("specgraph.compiler")
-METHODS = ("none", "lookup")
+METHODS = ("none", "lookup", "medusa")
+SHIPPED_HEADS = {"SmolLM2-135M-Instruct": "smollm2-135m-medusa4.safetensors"}
 Pass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 
 PIPELINES: dict[str, list[Pass]] = {
@@ -36,6 +50,9 @@ PIPELINES: dict[str, list[Pass]] = {
     # fuse_projections last: it only merges linears and leaves the nodes the others use alone.
     "none": [insert_tree_attention, add_kv_cache_io, fuse_projections],
     "lookup": [insert_tree_attention, add_kv_cache_io, fuse_projections],
+    # add_kv_compaction after add_kv_cache_io: it rewrites the cache writes that pass inserts.
+    # add_medusa_heads before fuse_projections so the heads' input is still the LM head's input.
+    "medusa": [insert_tree_attention, add_kv_cache_io, add_kv_compaction, add_medusa_heads, fuse_projections],
 }
 
 
@@ -50,6 +67,8 @@ class CompileConfig:
     num_draft: int = 7  # lookup: draft tokens per round (verify 1 + K tokens per call)
     max_ngram: int = 3  # lookup: longest n-gram matched in the context
     emit_logits: bool = False  # also output logits [B, T, V] (tests compare them with eager)
+    heads: str | None = None  # medusa: trained heads (safetensors); default: the shipped ones
+    tree: str = "default"  # medusa: a preset name, a Medusa-format JSON file, or "auto"
 
     def check(self) -> None:
         if self.method not in METHODS:
@@ -71,6 +90,7 @@ class CompileReport:
     anatomy: dict[str, Any]
     pass_counts: dict[str, dict[str, int]]
     seconds: dict[str, float] = field(default_factory=dict)
+    medusa: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -80,19 +100,29 @@ class CompileReport:
 
 def build_step_engine(
     loaded: LoadedModel, cfg: CompileConfig, progress: Callable[[str], None] | None = None
-) -> tuple[StepEngine, Anatomy, dict[str, dict[str, int]], list[tuple[int, ...]]]:
+) -> tuple[StepEngine | TreeStepEngine, Anatomy, dict[str, dict[str, int]], list[tuple[int, ...]]]:
     """Run capture, anatomy and the method's passes; return the step engine to export."""
     say = progress or (lambda _msg: None)
     say("capture")
     gm = capture(loaded, cfg.max_context)
     say("anatomy")
     anatomy = analyze(gm, loaded.hf_config)
-    ctx = PassContext(anatomy, cfg.max_context)
+    heads, _ = _medusa_heads(loaded, cfg, anatomy) if cfg.method == "medusa" else (None, {})
+    ctx = PassContext(anatomy, cfg.max_context, heads)
     counts: dict[str, dict[str, int]] = {}
     for pass_fn in PIPELINES[cfg.method]:
         say(pass_fn.__name__)
         counts[pass_fn.__name__] = pass_fn(gm, ctx).counts
     windows = {s.sliding_window for s in anatomy.sites if s.sliding_window}
+    window = windows.pop() if windows else None
+    engine: StepEngine | TreeStepEngine
+    if cfg.method == "medusa":
+        assert heads is not None
+        weight = anatomy.lm_head.args[1]
+        assert isinstance(weight, torch.fx.Node)
+        engine = TreeStepEngine(gm, anatomy.num_layers, cfg.max_context, heads.num_heads, str(weight.target),
+                                window, cfg.emit_logits)  # fmt: skip
+        return engine, anatomy, counts, _kv_shapes(anatomy, cfg)
     engine = StepEngine(
         gm,
         anatomy.num_layers,
@@ -100,13 +130,27 @@ def build_step_engine(
         cfg.method,
         cfg.num_draft,
         cfg.max_ngram,
-        sliding_window=windows.pop() if windows else None,
+        sliding_window=window,
         emit_logits=cfg.emit_logits,
     )
-    kv_shapes: list[tuple[int, ...]] = []
+    return engine, anatomy, counts, _kv_shapes(anatomy, cfg)
+
+
+def _kv_shapes(anatomy: Anatomy, cfg: CompileConfig) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
     for s in anatomy.sites:
-        kv_shapes += [(s.num_kv_heads, s.head_dim, cfg.max_context), (s.num_kv_heads, cfg.max_context, s.head_dim)]
-    return engine, anatomy, counts, kv_shapes
+        shapes += [(s.num_kv_heads, s.head_dim, cfg.max_context), (s.num_kv_heads, cfg.max_context, s.head_dim)]
+    return shapes
+
+
+def _medusa_heads(loaded: LoadedModel, cfg: CompileConfig, anatomy: Anatomy) -> tuple[MedusaHeads, dict[str, Any]]:
+    path = cfg.heads
+    if path is None:
+        shipped = SHIPPED_HEADS.get(loaded.name)
+        if shipped is None:
+            raise InputError(f"--method medusa needs --heads for {loaded.name}: train them with `specgraph train`")
+        path = str(Path(__file__).parent / "data" / "heads" / shipped)
+    return load_heads(path, anatomy.hidden_size, anatomy.vocab_size)
 
 
 def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = None) -> CompileReport:
@@ -130,8 +174,8 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
         model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx")
         times["export"] = time.perf_counter() - t0
         tokenizer = _copy_tokenizer(loaded, staging)
-        inputs, outputs = io_names(engine)
-        body = {
+        inputs, outputs = engine.io_names()
+        body: dict[str, Any] = {
             "method": cfg.method,
             "source": {"name": loaded.name, "kind": loaded.kind, "path": str(cfg.model)},
             "max_context": cfg.max_context,
@@ -150,19 +194,66 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
                 "bindings": _bindings(inputs, outputs),
             },
         }
+        if cfg.method == "medusa":
+            body["medusa"] = _write_tree(staging, cfg, loaded, anatomy)
         write_manifest(staging, body)
+        if cfg.method == "medusa" and cfg.tree == "auto":
+            say("measure tree")
+            body["medusa"] = _auto_tree(staging, cfg, loaded, anatomy)
+            write_manifest(staging, body)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return CompileReport(out, cfg.method, anatomy.summary(), counts, {k: round(v, 2) for k, v in times.items()})
+    seconds = {k: round(v, 2) for k, v in times.items()}
+    return CompileReport(out, cfg.method, anatomy.summary(), counts, seconds, body.get("medusa"))
+
+
+def _write_tree(bundle: Path, cfg: CompileConfig, loaded: LoadedModel, anatomy: Anatomy, tree: Tree | None = None,
+                report: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Write tree.json (Medusa's list-of-paths format) and return the manifest's medusa section."""
+    heads, meta = _medusa_heads(loaded, cfg, anatomy)
+    if tree is None:
+        tree = DEFAULT_TREE if cfg.tree == "auto" else _named_or_file(cfg.tree)
+    tree.validate_for(heads.num_heads, cfg.max_context)
+    if tree.max_topk > TOPK:
+        raise InputError(f"tree uses rank {tree.max_topk - 1}, but the engine keeps the top {TOPK} tokens per head")
+    (bundle / "tree.json").write_text(json.dumps({"paths": [list(p) for p in tree.paths]}) + "\n")
+    section: dict[str, Any] = {"num_heads": heads.num_heads, "tree": "tree.json", "tree_size": tree.size,
+                               "tree_depth": tree.depth, "tree_source": cfg.tree}  # fmt: skip
+    section["heads"] = {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
+    if report is not None:
+        section["auto_tree"] = report
+    return section
+
+
+def _named_or_file(name: str) -> Tree:
+    return load_tree(name) if Path(name).suffix == ".json" or Path(name).is_file() else named_tree(name)
+
+
+def _auto_tree(bundle: Path, cfg: CompileConfig, loaded: LoadedModel, anatomy: Anatomy) -> dict[str, Any]:
+    """Pick the tree that maximises expected tokens per second: the heads' measured acceptance
+    (from their calibration text) against this engine's measured verify cost c(N)/c(1)."""
+    from specgraph.runtime import Engine
+
+    _, meta = _medusa_heads(loaded, cfg, anatomy)
+    if "acceptance" not in meta:
+        raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
+    engine = Engine(bundle, verify=False)
+    sizes = [n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if 128 + n <= cfg.max_context]
+    ms = {n: engine.time_call(n, 128, repeats=5) for n in sizes}
+    cost = {n: ms[n] / ms[1] for n in sizes}
+    tree, report = build_tree(np.asarray(meta["acceptance"]), cost, max_nodes=max(sizes))
+    report = {k: v for k, v in report.items() if k != "table"} | {"verify_cost": cost}
+    return _write_tree(bundle, cfg, loaded, anatomy, tree, report)
 
 
 def _bindings(inputs: list[str], outputs: list[str]) -> dict[str, str]:
     """Which output feeds which input on the next call (the host does nothing else)."""
-    pairs = {"next_tokens": "tokens", "cache_len_out": "cache_len", "history_out": "history"}
+    pairs = {"next_tokens": "tokens", "cache_len_out": "cache_len", "history_out": "history",
+             "path_src_out": "path_src", "n_path_out": "n_path"}  # fmt: skip
     pairs.update({o: o.replace("present_", "past_", 1) for o in outputs if o.startswith("present_")})
     return {o: i for o, i in pairs.items() if o in outputs and i in inputs}
 

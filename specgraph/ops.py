@@ -89,3 +89,31 @@ ONNX_TRANSLATIONS: dict[Any, Any] = {
     torch.ops.specgraph.kv_write.default: _kv_write_onnx,
     torch.ops.specgraph.cache_attention.default: _cache_attention_onnx,
 }
+
+
+def compact_update(
+    past: torch.Tensor,  # [B, Hkv, D, S] (axis -1) or [B, Hkv, S, D] (axis -2)
+    update: torch.Tensor,  # this call's new entries, T along `axis`
+    path_src: torch.Tensor,  # [B, P] cache slots of last round's accepted nodes
+    n_path: torch.Tensor,  # [B] how many of them are real
+    axis: int,
+) -> torch.Tensor:
+    """The block to write at `cache_len`: the accepted path's entries, then the new ones."""
+    b, h_kv = past.shape[0], past.shape[1]
+    p = path_src.shape[1]
+    if axis == -1:
+        d = past.shape[2]
+        src = path_src[:, None, None, :].expand(b, h_kv, d, p)
+    else:
+        d = past.shape[3]
+        src = path_src[:, None, :, None].expand(b, h_kv, p, d)
+    moved = past.gather(axis, src)  # [.., P ..] read before this call's write
+    both = torch.cat([moved, update], dim=axis)  # [.., P + T ..]
+    width = both.shape[axis]
+    j = torch.arange(width, dtype=torch.int64)[None, :]  # [1, P+T]
+    order = torch.where(j < n_path[:, None], j, j - n_path[:, None] + p).clamp(max=width - 1)  # [B, P+T]
+    if axis == -1:
+        idx = order[:, None, None, :].expand(b, h_kv, d, width)
+    else:
+        idx = order[:, None, :, None].expand(b, h_kv, width, d)
+    return both.gather(axis, idx)

@@ -76,7 +76,46 @@ class Engine:
         self.max_context: int = self.manifest["max_context"]
         self.eos_token_ids: list[int] = list(self.manifest.get("eos_token_ids") or [])
         self._kv = [v for v in self.manifest["graph"]["inputs"] if v["name"].startswith("past_")]
+        self._bindings: dict[str, str] = self.manifest["graph"].get("bindings", {})
+        self._constants = self._tree_inputs() if self.method == "medusa" else {}
         self._tokenizer: Any = None
+
+    def _tree_inputs(self) -> dict[str, np.ndarray]:
+        """Medusa: the candidate tree as constant engine inputs, and last round's path (none yet)."""
+        from specgraph.tree import load_tree
+
+        medusa = self.manifest["medusa"]
+        tree = load_tree(self.bundle / medusa["tree"])
+        self.tree = tree
+        self.path_width = int(medusa["num_heads"])
+        retrieve = np.full((tree.retrieve.shape[0], self.path_width + 1), -1, np.int64)
+        retrieve[:, : tree.retrieve.shape[1]] = tree.retrieve
+        return {
+            "tree_mask": np.ascontiguousarray(tree.ancestor_mask, dtype=bool),
+            "tree_depths": tree.depths.astype(np.int64),
+            "tree_parent": tree.parent.astype(np.int64),
+            "tree_head": tree.head.astype(np.int64),
+            "tree_rank": tree.rank.astype(np.int64),
+            "tree_retrieve": retrieve,
+        }
+
+    def _first_feeds(self, tokens: np.ndarray, n_fixed: int, cache_len: int) -> dict[str, Any]:
+        """Inputs of a call that does not follow another (prefill, timing)."""
+        feeds: dict[str, Any] = {
+            "tokens": tokens,
+            "n_fixed": np.full(tokens.shape[0], n_fixed, np.int64),
+            "cache_len": np.full(tokens.shape[0], cache_len, np.int64),
+            **self._constants,
+        }
+        if self.method == "medusa":
+            feeds["path_src"] = np.zeros((tokens.shape[0], self.path_width), np.int64)
+            feeds["n_path"] = np.zeros(tokens.shape[0], np.int64)
+        return feeds
+
+    @property
+    def _extra_write(self) -> int:
+        """Cache slots a call writes beyond its tokens (Medusa moves last round's path first)."""
+        return self.path_width if self.method == "medusa" else 0
 
     @property
     def tokenizer(self) -> Any:
@@ -131,7 +170,7 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise InputError("the prompt is empty")
-        if len(prompt) >= self.max_context:
+        if len(prompt) + self._extra_write >= self.max_context:
             raise InputError(
                 f"prompt has {len(prompt)} tokens but the engine's maximum context is {self.max_context}; "
                 "recompile with a larger --max-context or shorten the prompt"
@@ -139,12 +178,7 @@ class Engine:
         state = self._new_state(1)
         io = self.session.io_binding()
         start = time.perf_counter()
-        feeds: dict[str, Any] = {
-            "tokens": np.asarray([prompt], np.int64),
-            "n_fixed": np.asarray([len(prompt)], np.int64),
-            "cache_len": np.zeros(1, np.int64),
-        }
-        out = self._call(io, feeds, state)
+        out = self._call(io, self._first_feeds(np.asarray([prompt], np.int64), len(prompt), 0), state)
         prefill_s = time.perf_counter() - start
         emitted: list[int] = []
         counts: list[int] = []
@@ -153,14 +187,15 @@ class Engine:
         steps = 0
         start = time.perf_counter()
         while stop is None:
-            next_tokens, cache_len = out["next_tokens"], out["cache_len_out"]
-            width = next_tokens.shape()[1]
-            if int(cache_len.numpy()[0]) + width > self.max_context:
+            width = out["next_tokens"].shape()[1] + self._extra_write
+            if int(out["cache_len_out"].numpy()[0]) + width > self.max_context:
                 stop = "max_context"
                 break
-            if "history_out" in out:
-                state["history"] = out["history_out"]
-            out = self._call(io, {"tokens": next_tokens, "n_fixed": one, "cache_len": cache_len}, state)
+            # Bind each output onto the input it feeds (manifest "bindings"); caches are in place.
+            feeds = {i: out[o] for o, i in self._bindings.items() if not o.startswith("present_")}
+            if "history" in feeds:
+                state["history"] = feeds.pop("history")
+            out = self._call(io, {**feeds, **self._constants, "n_fixed": one}, state)
             steps += 1
             before = len(emitted)
             stop = self._emit(out, emitted, max_new_tokens, stop_at_eos, on_tokens)
@@ -194,11 +229,8 @@ class Engine:
         state = self._new_state(1)
         io = self.session.io_binding()
         rng = np.random.default_rng(0)
-        feeds = {
-            "tokens": rng.integers(0, int(self.manifest["vocab_size"]), (1, n_tokens), dtype=np.int64),
-            "n_fixed": np.ones(1, np.int64),
-            "cache_len": np.asarray([cache_len], np.int64),
-        }
+        tokens = rng.integers(0, int(self.manifest["vocab_size"]), (1, n_tokens), dtype=np.int64)
+        feeds = self._first_feeds(tokens, 1, cache_len)
         self._call(io, feeds, state)  # warm-up
         times = []
         for _ in range(repeats):

@@ -49,6 +49,29 @@ class StepEngine(torch.nn.Module):
         self.sliding_window = sliding_window
         self.emit_logits = emit_logits
 
+    def io_names(self) -> tuple[list[str], list[str]]:
+        """Graph input and output names, in the order forward takes and returns them."""
+        inputs = ["tokens", "n_fixed", "cache_len"]
+        outputs = ["accepted", "n_accepted", "next_tokens", "cache_len_out"]
+        if self.method == "lookup":
+            inputs.append("history")
+            outputs.append("history_out")
+        inputs += kv_names("past", self.num_layers)
+        outputs += kv_names("present", self.num_layers)
+        return inputs, outputs + (["logits"] if self.emit_logits else [])
+
+    def example_inputs(self, kv_shapes: list[tuple[int, ...]], batch: int = 2, tokens: int = 4) -> tuple:
+        """Inputs for tracing; batch and token counts must not be 1 (torch.export would specialise)."""
+        args = [torch.zeros(batch, tokens, dtype=_I64), torch.ones(batch, dtype=_I64), torch.zeros(batch, dtype=_I64)]
+        if self.method == "lookup":
+            args.append(torch.zeros(batch, self.max_context + 1, dtype=_I64))
+        return (*args, *(torch.zeros(batch, *shape) for shape in kv_shapes))
+
+    def dynamic_shapes(self, args: tuple) -> tuple:
+        batch, tokens = dims(self.max_context)
+        # forward(tokens, n_fixed, cache_len, *state): the varargs form one nested entry
+        return ({0: batch, 1: tokens}, {0: batch}, {0: batch}, tuple({0: batch} for _ in args[3:]))
+
     def forward(self, tokens, n_fixed, cache_len, *state):  # type: ignore[no-untyped-def]
         history = state[0] if self.method == "lookup" else None
         kv = state[1:] if self.method == "lookup" else state
@@ -80,6 +103,15 @@ class StepEngine(torch.nn.Module):
         if self.emit_logits:
             outputs.append(logits)
         return tuple(outputs)
+
+
+def kv_names(prefix: str, num_layers: int) -> list[str]:
+    return [f"{prefix}_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def dims(max_context: int) -> tuple[torch.export.Dim, torch.export.Dim]:
+    """The dynamic batch and token dimensions every engine exports with."""
+    return torch.export.Dim("batch", min=1, max=64), torch.export.Dim("tokens", min=1, max=max_context)
 
 
 def _accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, n_fixed: torch.Tensor):  # type: ignore[no-untyped-def]

@@ -1,0 +1,168 @@
+"""The Medusa step engine: verify a tree of candidates in one call, accept the longest correct
+branch, and draft the next tree from the heads at the last accepted token.
+
+Inputs beyond the chain engine's (see step.py):
+  path_src [B, P], n_path [B]   last round's accepted nodes, moved into place by this call's write
+  tree_mask [N, N] bool, tree_depths [N], tree_parent [N], tree_head [N], tree_rank [N],
+  tree_retrieve [L, P+1]        the candidate tree (node 0 = root = the bonus token; -1 pads);
+                                constants the host binds once, so one engine runs any tree
+Outputs: accepted [B, P+1], n_accepted [B], next_tokens [B, N], cache_len_out [B],
+  path_src_out [B, P], n_path_out [B], present_*; logits [B, T, V] with emit_logits.
+A call whose rows have n_fixed == 1 and T == N is a tree step; anything else (the prefill) is a
+chain whose first n_fixed tokens are given.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from specgraph.step import _SPAN_BUCKET, _accept_greedy, dims, kv_names
+
+_I64 = torch.int64
+TOPK = 10  # candidates kept per head; tree ranks must be below this
+
+
+class TreeStepEngine(torch.nn.Module):
+    def __init__(
+        self,
+        target: torch.fx.GraphModule,
+        num_layers: int,
+        max_context: int,
+        num_heads: int,
+        lm_head_weight: str,
+        sliding_window: int | None = None,
+        emit_logits: bool = False,
+    ) -> None:
+        super().__init__()
+        self.target = target
+        self.num_layers = num_layers
+        self.max_context = max_context
+        self.num_heads = num_heads
+        self.lm_head_weight = lm_head_weight
+        self.sliding_window = sliding_window
+        self.emit_logits = emit_logits
+        self.method = "medusa"
+
+    TREE_INPUTS = ("tree_mask", "tree_depths", "tree_parent", "tree_head", "tree_rank", "tree_retrieve")
+
+    def io_names(self) -> tuple[list[str], list[str]]:
+        inputs = ["tokens", "n_fixed", "cache_len", "path_src", "n_path", *self.TREE_INPUTS]
+        outputs = ["accepted", "n_accepted", "next_tokens", "cache_len_out", "path_src_out", "n_path_out"]
+        inputs += kv_names("past", self.num_layers)
+        outputs += kv_names("present", self.num_layers)
+        return inputs, outputs + (["logits"] if self.emit_logits else [])
+
+    def example_inputs(self, kv_shapes: list[tuple[int, ...]], batch: int = 2, tokens: int = 5) -> tuple:
+        """A 4-node example tree ((0,), (1,), (0, 0)) and 5 tokens: no dimension equals another."""
+        k = self.num_heads
+        retrieve = torch.full((2, k + 1), -1, dtype=_I64)
+        retrieve[0, :3] = torch.tensor([0, 1, 3])
+        retrieve[1, :2] = torch.tensor([0, 2])
+        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        args = [
+            torch.zeros(batch, tokens, dtype=_I64), torch.ones(batch, dtype=_I64), torch.zeros(batch, dtype=_I64),
+            torch.zeros(batch, k, dtype=_I64), torch.zeros(batch, dtype=_I64),
+            mask, torch.tensor([0, 1, 1, 2]), torch.tensor([-1, 0, 0, 1]), torch.tensor([-1, 0, 0, 1]),
+            torch.tensor([0, 0, 1, 0]), retrieve,
+        ]  # fmt: skip
+        return (*args, *(torch.zeros(batch, *shape) for shape in kv_shapes))
+
+    def dynamic_shapes(self, args: tuple) -> tuple:
+        batch, tokens = dims(self.max_context)
+        nodes = torch.export.Dim("tree_nodes", min=1, max=self.max_context)
+        leaves = torch.export.Dim("tree_leaves", min=1, max=self.max_context)
+        tree = ({0: nodes, 1: nodes}, {0: nodes}, {0: nodes}, {0: nodes}, {0: nodes}, {0: leaves})
+        return ({0: batch, 1: tokens}, {0: batch}, {0: batch}, {0: batch}, {0: batch}, *tree,
+                tuple({0: batch} for _ in args[11:]))  # fmt: skip
+
+    def forward(
+        self,
+        tokens,
+        n_fixed,
+        cache_len,
+        path_src,
+        n_path,
+        tree_mask,
+        tree_depths,
+        tree_parent,  # type: ignore[no-untyped-def]
+        tree_head,
+        tree_rank,
+        tree_retrieve,
+        *kv,
+    ):
+        b, t = tokens.shape
+        s = kv[1].shape[-2]
+        n_nodes = tree_depths.shape[0]
+        committed = cache_len + n_path  # [B] prefix length once last round's path is in place
+        node = torch.clamp(torch.arange(t, dtype=_I64), max=n_nodes - 1)  # [T] tree node of each token
+        t_val = torch.ones_like(tokens[0]).sum()
+        is_tree = (n_fixed == 1) & (t_val == torch.ones_like(tree_depths).sum())  # [B]
+        # Block structure: tree ancestors for a tree step, causal for a chain (prefill).
+        causal = torch.arange(t)[:, None] >= torch.arange(t)[None, :]  # [T, T]
+        tree_block = tree_mask[node][:, node]  # [T, T]
+        tree_row = is_tree[:, None, None]
+        block = (tree_row & tree_block[None]) | (~tree_row & causal[None])  # [B, T, T] (no bool Where in ORT)
+        offsets = torch.where(is_tree[:, None], tree_depths[node][None], torch.arange(t, dtype=_I64)[None])  # [B, T]
+        positions = committed[:, None] + offsets  # [B, T]: a node sits at its depth past the prefix
+        slots = torch.arange(s, dtype=_I64)
+        rel = slots[None, :] - committed[:, None]  # [B, S] slot relative to this call's block
+        in_block = (rel >= 0) & (rel < t)
+        seen = block.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, s))  # [B, T, S]
+        mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & seen))[:, None]  # [B, 1, T, S]
+        masks = [mask]
+        if self.sliding_window:
+            block_pos = committed[:, None] + offsets.gather(1, rel.clamp(0, t - 1))  # [B, S]
+            key_pos = torch.where(in_block, block_pos, slots[None, :])  # the past is compact: slot = position
+            recent = (positions[:, :, None] - key_pos[:, None, :]) < self.sliding_window  # [B, T, S]
+            masks.append(mask & recent[:, None])
+        reach = committed.max() + t
+        span = torch.clamp((reach + _SPAN_BUCKET - 1) // _SPAN_BUCKET * _SPAN_BUCKET, max=s).reshape(1)
+        logits, *rest = self.target(tokens, positions, *masks, cache_len, span, *kv, path_src, n_path)
+        present, hidden = rest[:-1], rest[-1]
+
+        # Chain rule for the prefill rows.
+        c_acc, c_n, c_bonus, c_committed = _accept_greedy(tokens, logits, n_fixed)
+        # Tree rule: a node is correct when it equals the target's argmax at its parent; the
+        # accepted branch is the longest all-correct root-to-leaf prefix (greedy verification
+        # of a token tree, as in Medusa/SpecInfer), so the output is exactly greedy decoding.
+        pred = logits.argmax(dim=-1)  # [B, T]
+        parent = tree_parent[node].clamp(min=0)  # [T]
+        correct = (pred[:, parent] == tokens) | (torch.arange(t)[None, :] == 0)  # [B, T]
+        valid = tree_retrieve >= 0  # [L, P+1]
+        ok = correct[:, tree_retrieve.clamp(0, t - 1)] & valid[None]  # [B, L, P+1]
+        length = (torch.cumsum((~ok).to(_I64), dim=-1) == 0).to(_I64).sum(-1) - 1  # [B, L] accepted nodes
+        best = length.argmax(dim=-1)  # [B] first longest branch
+        n_acc = length.max(dim=-1).values  # [B]
+        branch = tree_retrieve[best]  # [B, P+1] node ids, root first
+        last = branch.gather(1, n_acc[:, None]).clamp(0, t - 1)  # [B, 1] (clamped: chain rows index garbage)
+        t_bonus = pred.gather(1, last)  # [B, 1]
+        width = branch.shape[1]
+        branch_tokens = torch.cat([tokens.gather(1, branch[:, 1:].clamp(0, t - 1)), t_bonus], dim=1)  # [B, P+1]
+        j = torch.arange(width, dtype=_I64)[None, :]
+        t_acc = torch.where(j == n_acc[:, None], t_bonus, branch_tokens)  # accepted nodes then the bonus
+
+        chain_acc = torch.cat([c_bonus, c_bonus.expand(b, width - 1)], dim=1)  # prefill emits the bonus only
+        row = is_tree[:, None]
+        accepted = torch.where(row, t_acc, chain_acc)
+        n_accepted = torch.where(is_tree, n_acc + 1, c_n)
+        bonus = torch.where(row, t_bonus, c_bonus)  # [B, 1]
+        last_node = torch.where(row, last, c_committed[:, None] - 1)  # [B, 1] where the heads read
+        cache_len_out = committed + torch.where(is_tree, torch.ones_like(n_acc), c_committed)
+        path_src_out = torch.where(row, committed[:, None] + branch[:, 1:].clamp(min=0), torch.zeros_like(path_src))
+        n_path_out = torch.where(is_tree, n_acc, torch.zeros_like(n_acc))
+
+        # Next tree: the heads read the hidden state of the last accepted token.
+        h = hidden.gather(1, last_node[:, :, None].expand(b, 1, hidden.shape[-1]))[:, 0]  # [B, H]
+        heads = self.target.medusa_heads(h).reshape(b * self.num_heads, -1)  # [B*K, H]
+        weight = self.target.get_parameter(self.lm_head_weight)
+        head_logits = torch.nn.functional.linear(heads, weight).reshape(b, self.num_heads, -1)  # [B, K, V]
+        candidates = torch.topk(head_logits, TOPK, dim=-1).indices.reshape(b, self.num_heads * TOPK)  # [B, K*10]
+        pick = (tree_head.clamp(min=0) * TOPK + tree_rank)[None, :].expand(b, n_nodes)  # [B, N]
+        nodes = candidates.gather(1, pick)  # [B, N]
+        next_tokens = torch.cat([bonus, nodes[:, 1:]], dim=1)  # [B, N]: root = bonus
+
+        outputs = [accepted, n_accepted, next_tokens, cache_len_out, path_src_out, n_path_out, *present]
+        if self.emit_logits:
+            outputs.append(logits)
+        return tuple(outputs)

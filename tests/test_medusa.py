@@ -1,0 +1,101 @@
+"""Medusa: heads, tree verification with KV compaction, tree files and auto trees, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specgraph.compiler import CompileConfig, compile_model
+from specgraph.errors import InputError
+from specgraph.medusa import MedusaHeads, save_heads
+from specgraph.ops import compact_update
+from specgraph.runtime import Engine
+from tests.greedy import assert_same_greedy, hf_greedy
+from tests.models.tiny import VOCAB, build
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 9, 5, 6], [17, 3, 99, 42, 200, 13, 77], list(range(30, 70))]
+ACCEPTANCE = [[0.5, 0.2, 0.1] + [0.01] * 7] * 4
+
+
+def _heads(tmp_path, hidden: int = 64, vocab: int = VOCAB, seed: int = 1):
+    torch.manual_seed(seed)
+    heads = MedusaHeads(hidden, 4)
+    with torch.no_grad():
+        heads.weight.normal_(0, 0.05)
+        heads.bias.normal_(0, 0.05)
+    path = tmp_path / f"heads_{hidden}_{vocab}.safetensors"
+    save_heads(path, heads, {"vocab_size": vocab, "model": "tiny", "acceptance": ACCEPTANCE})
+    return path
+
+
+def _compile(folder, out, heads, tree="default", max_context=320):
+    cfg = CompileConfig(model=str(folder), output=out, method="medusa", max_context=max_context, heads=str(heads),
+                        tree=tree)  # fmt: skip
+    return compile_model(cfg)
+
+
+@pytest.mark.parametrize(("family", "tree"), [("llama", "default"), ("gemma3", "mc_sim_7b_63"), ("gpt2", "chain-4")])
+def test_medusa_greedy_matches_hf_generate(family, tree, tiny_folder, tmp_path):
+    _compile(tiny_folder(family), tmp_path / "b", _heads(tmp_path), tree)
+    engine = Engine(tmp_path / "b")
+    model = build(family)
+    accepted = []
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, 64))
+        accepted.append(result.mean_accepted)
+    if tree == "mc_sim_7b_63":
+        assert engine.tree.size == 64
+        assert max(accepted) > 2.0  # the tiny model repeats itself: deep branches get accepted and compacted
+
+
+def test_compact_update_moves_the_path_first():
+    past = torch.arange(2 * 1 * 3 * 10, dtype=torch.float32).reshape(2, 1, 10, 3)  # [B, Hkv, S, D]
+    update = -torch.ones(2, 1, 2, 3)  # two new entries
+    path_src = torch.tensor([[6, 8], [4, 5]])
+    n_path = torch.tensor([1, 2])
+    out = compact_update(past, update, path_src, n_path, -2)  # [B, 1, 4, 3]
+    torch.testing.assert_close(out[0, 0, 0], past[0, 0, 6])
+    torch.testing.assert_close(out[0, 0, 1:3], update[0, 0])
+    torch.testing.assert_close(out[1, 0, :2], past[1, 0, 4:6])
+    torch.testing.assert_close(out[1, 0, 2:4], update[1, 0])
+
+
+def test_auto_tree_uses_measured_cost(tiny_folder, tmp_path):
+    report = _compile(tiny_folder("llama"), tmp_path / "b", _heads(tmp_path), "auto")
+    assert report.method == "medusa"
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    auto = manifest["medusa"]["auto_tree"]
+    assert auto["verify_cost"]["1"] == 1.0 and auto["size"] == manifest["medusa"]["tree_size"]
+    engine = Engine(tmp_path / "b")
+    model = build("llama")
+    result = engine.generate(PROMPTS[0], max_new_tokens=32, stop_at_eos=False)
+    assert_same_greedy(model, PROMPTS[0], result.output_ids, hf_greedy(model, PROMPTS[0], 32))
+
+
+def test_heads_for_another_model_are_refused(tiny_folder, tmp_path):
+    with pytest.raises(InputError, match="hidden size 32"):
+        _compile(tiny_folder("llama"), tmp_path / "b", _heads(tmp_path, hidden=32))
+    with pytest.raises(InputError, match="vocabulary of 999"):
+        _compile(tiny_folder("llama"), tmp_path / "b", _heads(tmp_path, vocab=999))
+
+
+@pytest.mark.parametrize(
+    ("paths", "message"),
+    [
+        ([[0], [0, 1, 2]], "not prefix-closed"),
+        ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]], "needs 5 heads but the model has 4"),
+    ],
+)
+def test_bad_tree_files(paths, message, tiny_folder, tmp_path):
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps(paths))
+    with pytest.raises(InputError, match=message):
+        _compile(tiny_folder("llama"), tmp_path / "b", _heads(tmp_path), str(tree))
+
+
+def test_tree_larger_than_context(tiny_folder, tmp_path):
+    with pytest.raises(InputError, match="does not fit a context of 32"):
+        _compile(tiny_folder("llama"), tmp_path / "b", _heads(tmp_path), "mc_sim_7b_63", max_context=32)
