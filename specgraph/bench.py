@@ -388,7 +388,21 @@ def _aggregate(runs: list[GenerationResult], wall_s: float) -> dict[str, Any]:
         "total_prefill_s": round(sum(r.prefill_s for r in runs), 4),
         "total_decode_s": round(sum(r.decode_s for r in runs), 4),
         "total_s": round(wall_s, 4),
+        "acceptance_by_depth": acceptance_by_depth([c for r in runs for c in r.accepted_per_step]),
     }
+
+
+def acceptance_by_depth(counts: list[int]) -> list[float]:
+    """From tokens emitted per step (accepted drafts + 1), the rate at which a draft at depth d is
+    accepted given depth d-1 was: entry d-1 = #steps accepting >= d / #steps accepting >= d-1."""
+    drafts = [c - 1 for c in counts if c >= 1]
+    rates = []
+    depth = 1
+    while drafts and depth <= max(drafts) + 1:
+        reached = sum(1 for a in drafts if a >= depth - 1)
+        rates.append(round(sum(1 for a in drafts if a >= depth) / reached, 4) if reached else 0.0)
+        depth += 1
+    return rates
 
 
 def _environment() -> dict[str, Any]:

@@ -130,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-baseline", action="store_true", help="skip Hugging Face generate and the floor (none bundles)")
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
     b.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the full result as JSON to OUT")
+    b.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="write a plot of acceptance by depth and "
+        "speed-up by prompt set (give several sets: --prompts humaneval,chat,creative)",
+    )
 
     t = sub.add_parser(
         "train",
@@ -278,19 +286,26 @@ class _Streamer:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specgraph.bench import format_report, run_bench
 
-    result = run_bench(
-        str(args.bundle),
-        args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        threads=args.threads,
-        limit=args.limit,
-        baseline=not args.no_baseline,
-        chat=not args.no_chat,
-        reference=str(args.reference) if args.reference else None,
-    )
-    print(format_report(result))
+    results = {}
+    for prompts in [p for p in args.prompts.split(",") if p]:
+        results[prompts] = run_bench(
+            str(args.bundle),
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            threads=args.threads,
+            limit=args.limit,
+            baseline=not args.no_baseline,
+            chat=not args.no_chat,
+            reference=str(args.reference) if args.reference else None,
+        )
+        print(format_report(results[prompts]))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        single = next(iter(results.values())) if len(results) == 1 else {"sets": results}
+        args.json.write_text(json.dumps(single, indent=2) + "\n")
+    if args.plot:
+        from specgraph.plot import plot_bench
+
+        print(f"plot: {plot_bench(results, args.plot)}")
     return 0
 
 

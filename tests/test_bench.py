@@ -256,3 +256,20 @@ def test_run_bench_needs_token_ids_when_the_bundle_has_no_tokenizer(tiny_bundle,
         run_bench(bundle, str(bad), threads=1, progress=False, baseline=False)
     with pytest.raises(InputError, match="max-new-tokens"):
         run_bench(bundle, str(bad), max_new_tokens=0, progress=False)
+
+
+def test_acceptance_by_depth_hand_checked():
+    from specgraph.bench import acceptance_by_depth
+
+    # steps emitting 1, 2, 3, 1 tokens accepted 0, 1, 2, 0 drafts
+    assert acceptance_by_depth([1, 2, 3, 1]) == [0.5, 0.5, 0.0]
+    assert acceptance_by_depth([1, 1]) == [0.0]
+
+
+def test_plot_bench_writes_a_png(tmp_path):
+    from specgraph.plot import plot_bench
+
+    result = {"method": "medusa", "aggregate": {"acceptance_by_depth": [0.7, 0.5], "mean_accepted": 1.9},
+              "reference": {"speedup_ratio_of_medians": 1.3}}  # fmt: skip
+    out = plot_bench({"humaneval": result, "chat": result}, tmp_path / "p.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

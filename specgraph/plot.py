@@ -1,0 +1,36 @@
+"""PNG plots for `specgraph bench --plot`: acceptance by tree depth, and speed-up by prompt set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_bench(results: dict[str, dict[str, Any]], path: str | Path) -> Path:
+    """`results` maps a prompt-set name to `run_bench`'s result for it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, result in results.items():
+        rates = result["aggregate"].get("acceptance_by_depth") or []
+        left.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+    left.set(xlabel="draft depth", ylabel="acceptance rate (given the parent accepted)", ylim=(0, 1.05),
+             title="acceptance by depth")  # fmt: skip
+    left.legend()
+    names = list(results)
+    speedups = [(results[n].get("reference") or {}).get("speedup_ratio_of_medians") or 0.0 for n in names]
+    accepted = [results[n]["aggregate"].get("mean_accepted") or 0.0 for n in names]
+    bars = right.bar(names, speedups, color="tab:blue")
+    right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    for bar, tau in zip(bars, accepted, strict=True):
+        right.annotate(f"τ={tau:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    method = next(iter(results.values()))["method"] if results else ""
+    right.set(ylabel="speed-up over the none engine (tokens/s)", title=f"{method}: speed-up by prompt set")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
