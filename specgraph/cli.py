@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--method",
         default="none",
-        choices=["none", "lookup"],
-        help="none: plain decoding (the baseline); lookup: prompt-lookup drafting with greedy verification",
+        choices=["none", "lookup", "medusa"],
+        help="none: plain decoding (the baseline); lookup: prompt-lookup drafting; medusa: Medusa heads and a "
+        "verified candidate tree (all greedy and lossless)",
     )
     c.add_argument(
         "--max-context", type=_positive, default=1024, help="KV-cache slots: prompt plus output tokens (default 1024)"
@@ -177,6 +178,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         num_draft=args.num_draft,
         max_ngram=args.max_ngram,
         emit_logits=args.emit_logits,
+        heads=args.heads,
+        tree=args.tree,
     )
     cfg.check()
     stages = ["load", "capture", "anatomy", *(p.__name__ for p in PIPELINES[cfg.method]), "export onnx"]
