@@ -5,6 +5,7 @@ from specgraph.passes.add_kv_cache_io import add_kv_cache_io
 from specgraph.passes.add_kv_compaction import add_kv_compaction
 from specgraph.passes.add_medusa_heads import add_medusa_heads
 from specgraph.passes.fuse_projections import fuse_projections
+from specgraph.passes.fuse_rms_norm import fuse_rms_norm
 from specgraph.passes.insert_tree_attention import insert_tree_attention
 
 __all__ = [
@@ -14,6 +15,6 @@ __all__ = [
     "add_kv_compaction",
     "add_medusa_heads",
     "cleanup",
-    "fuse_projections",
+    "fuse_projections", "fuse_rms_norm",
     "insert_tree_attention",
 ]

@@ -33,6 +33,7 @@ from specgraph.passes import (
     add_kv_compaction,
     add_medusa_heads,
     fuse_projections,
+    fuse_rms_norm,
     insert_tree_attention,
 )
 from specgraph.step import StepEngine
@@ -48,11 +49,13 @@ PIPELINES: dict[str, list[Pass]] = {
     # insert_tree_attention first: add_kv_cache_io reads the attn_mask input it creates and
     # widens the attended keys from this call's T tokens to the S cache slots.
     # fuse_projections last: it only merges linears and leaves the nodes the others use alone.
-    "none": [insert_tree_attention, add_kv_cache_io, fuse_projections],
-    "lookup": [insert_tree_attention, add_kv_cache_io, fuse_projections],
+    "none": [insert_tree_attention, add_kv_cache_io, fuse_projections, fuse_rms_norm],
+    "lookup": [insert_tree_attention, add_kv_cache_io, fuse_projections, fuse_rms_norm],
     # add_kv_compaction after add_kv_cache_io: it rewrites the cache writes that pass inserts.
     # add_medusa_heads before fuse_projections so the heads' input is still the LM head's input.
-    "medusa": [insert_tree_attention, add_kv_cache_io, add_kv_compaction, add_medusa_heads, fuse_projections],
+    "medusa": [
+        insert_tree_attention, add_kv_cache_io, add_kv_compaction, add_medusa_heads, fuse_projections, fuse_rms_norm,
+    ],  # fmt: skip
 }
 
 
