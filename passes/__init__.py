@@ -15,6 +15,7 @@ __all__ = [
     "add_kv_compaction",
     "add_medusa_heads",
     "cleanup",
-    "fuse_projections", "fuse_rms_norm",
+    "fuse_projections",
+    "fuse_rms_norm",
     "insert_tree_attention",
 ]

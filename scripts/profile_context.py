@@ -1,6 +1,7 @@
 """Split one decode step's time into the attention term and everything else, at two context
-lengths, with ONNX Runtime's profiler: a node is counted as attention when one of its inputs has
+lengths, with ONNX Runtime's profiler: a node is counted as attention when one of its inputs or outputs has
 the attended span (cache slots in use, rounded up to 64) as a dimension.
+The profiler's own overhead inflates every node; compare the two contexts, not absolute times.
 
     python scripts/profile_context.py out/smollm2-none --contexts 128 1024 --threads 2
 """
@@ -33,7 +34,8 @@ def profile(engine: Engine, context: int, threads: int, calls: int = 20) -> dict
     for event in events:
         if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
             continue
-        shapes = [d for arg in event["args"].get("input_type_shape", []) for dims in arg.values() for d in dims]
+        args = event["args"].get("input_type_shape", []) + event["args"].get("output_type_shape", [])
+        shapes = [d for arg in args for dims in arg.values() for d in dims]
         key = "attention" if span in shapes else "other"
         totals[key] += event["dur"] / 1000 / (calls + 1)
     runs = [e["dur"] / 1000 for e in events if e.get("name") == "model_run"]

@@ -54,7 +54,12 @@ PIPELINES: dict[str, list[Pass]] = {
     # add_kv_compaction after add_kv_cache_io: it rewrites the cache writes that pass inserts.
     # add_medusa_heads before fuse_projections so the heads' input is still the LM head's input.
     "medusa": [
-        insert_tree_attention, add_kv_cache_io, add_kv_compaction, add_medusa_heads, fuse_projections, fuse_rms_norm,
+        insert_tree_attention,
+        add_kv_cache_io,
+        add_kv_compaction,
+        add_medusa_heads,
+        fuse_projections,
+        fuse_rms_norm,
     ],  # fmt: skip
 }
 

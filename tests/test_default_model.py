@@ -26,7 +26,8 @@ def default(tmp_path_factory):
     loaded = load_model("smollm2-135m")
     out = tmp_path_factory.mktemp("smollm2")
     bundles = {}
-    for method in ("none", "lookup"):
+    for method in ("none", "lookup", "medusa"):
+        # medusa: the shipped heads with the default tree
         cfg = CompileConfig(
             model="smollm2-135m", output=out / method, method=method, max_context=512, emit_logits=method == "none"
         )

@@ -106,3 +106,18 @@ def test_grouped_query_attention_never_repeats_the_cache():
     kv_inputs = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("past_")}
     for node in expands:
         assert not (set(node.all_input_nodes) & kv_inputs)
+
+
+@pytest.mark.parametrize(("family", "norms"), [("llama", 5), ("qwen2", 5), ("gemma3", 0), ("gpt2", 0)])
+def test_fuse_rms_norm_matches_eager(family, norms):
+    """Llama-style norms fuse (2 per block + final); Gemma's (1 + w) form and LayerNorm are left alone."""
+    from specgraph.passes import fuse_rms_norm
+
+    model, gm, anatomy = _graph(family)
+    result = fuse_rms_norm(gm, PassContext(anatomy, S))
+    assert result.counts["fused_norms"] == norms and result.modified == (norms > 0)
+    ids = torch.randint(0, 256, (1, 7))
+    with torch.no_grad():
+        (got,) = gm(ids)
+        want = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
