@@ -324,7 +324,7 @@ def run_bench(
         "environment": _environment(),
         "skipped_prompts": [i for i, ids in enumerate(all_ids) if not 0 < len(ids) < room],
         "per_prompt": [_row(i, run) for (i, _), run in zip(runnable, runs, strict=True)],
-        "aggregate": _aggregate(runs, wall_s),
+        "aggregate": _aggregate(runs, wall_s, _draft_depth(engine)),
     }
     if baseline and engine.method == "none":
         result["baseline"] = _baseline(engine, runnable, runs, max_new_tokens, threads, progress, bandwidth_mb)
@@ -374,7 +374,16 @@ def _row(index: int, run: GenerationResult) -> dict[str, Any]:
     }
 
 
-def _aggregate(runs: list[GenerationResult], wall_s: float) -> dict[str, Any]:
+def _draft_depth(engine: Engine) -> int:
+    """The deepest draft the engine proposes (0 for plain decoding)."""
+    if engine.method == "medusa":
+        return int(engine.manifest["medusa"]["tree_depth"])
+    if engine.method == "lookup":
+        return int(engine.manifest["lookup"]["num_draft"])
+    return 0
+
+
+def _aggregate(runs: list[GenerationResult], wall_s: float, max_depth: int | None = None) -> dict[str, Any]:
     """Median decode rate, and accepted length over all prompts: tokens after each prompt's first
     (which prefill makes) per engine call after prefill."""
     after_first = sum(max(len(r.output_ids) - 1, 0) for r in runs)
@@ -388,17 +397,20 @@ def _aggregate(runs: list[GenerationResult], wall_s: float) -> dict[str, Any]:
         "total_prefill_s": round(sum(r.prefill_s for r in runs), 4),
         "total_decode_s": round(sum(r.decode_s for r in runs), 4),
         "total_s": round(wall_s, 4),
-        "acceptance_by_depth": acceptance_by_depth([c for r in runs for c in r.accepted_per_step]),
+        "acceptance_by_depth": acceptance_by_depth([c for r in runs for c in r.accepted_per_step], max_depth),
     }
 
 
-def acceptance_by_depth(counts: list[int]) -> list[float]:
+def acceptance_by_depth(counts: list[int], max_depth: int | None = None) -> list[float]:
     """From tokens emitted per step (accepted drafts + 1), the rate at which a draft at depth d is
-    accepted given depth d-1 was: entry d-1 = #steps accepting >= d / #steps accepting >= d-1."""
+    accepted given depth d-1 was: entry d-1 = #steps accepting >= d / #steps accepting >= d-1.
+    `max_depth` (the deepest draft the engine proposes) stops the list where drafts end."""
     drafts = [c - 1 for c in counts if c >= 1]
     rates = []
     depth = 1
-    while drafts and depth <= max(drafts) + 1:
+    last = max(drafts) + 1 if drafts else 0
+    last = min(last, max_depth) if max_depth is not None else last
+    while drafts and depth <= last:
         reached = sum(1 for a in drafts if a >= depth - 1)
         rates.append(round(sum(1 for a in drafts if a >= depth) / reached, 4) if reached else 0.0)
         depth += 1
