@@ -42,13 +42,20 @@ def fuse_rms_norm(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _skip_casts(node: object) -> object:
+    """Step over dtype casts that do not change the dtype."""
     while isinstance(node, torch.fx.Node) and node.target in _CASTS and len(node.users) == 1:
-        if node.meta.get("val") is None or node.args[0].meta.get("val") is None:
+        src = node.args[0]
+        if not isinstance(src, torch.fx.Node) or node.meta.get("val") is None or src.meta.get("val") is None:
             break
-        if node.meta["val"].dtype != node.args[0].meta["val"].dtype:
+        if node.meta["val"].dtype != src.meta["val"].dtype:
             break
-        node = node.args[0]
+        node = src
     return node
+
+
+def _call(value: object, target: object) -> torch.fx.Node | None:
+    """`value` if it is a node calling `target`, else None."""
+    return value if isinstance(value, torch.fx.Node) and value.target == target else None
 
 
 def _match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, float] | None:
@@ -58,24 +65,20 @@ def _match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.fx.Node
     for weight, normed in (node.args, node.args[::-1]):
         if not (isinstance(weight, torch.fx.Node) and weight.op == "get_attr"):
             continue
-        scaled = _skip_casts(normed)
-        if not (isinstance(scaled, torch.fx.Node) and scaled.target == aten.mul.Tensor):
+        scaled = _call(_skip_casts(normed), aten.mul.Tensor)
+        rsqrt = _call(scaled.args[1], aten.rsqrt.default) if scaled is not None else None
+        add = _call(rsqrt.args[0], aten.add.Tensor) if rsqrt is not None else None
+        mean = _call(add.args[0], aten.mean.dim) if add is not None else None
+        square = _call(mean.args[0], aten.pow.Tensor_Scalar) if mean is not None else None
+        if scaled is None or add is None or mean is None or square is None:
             continue
-        x, rsqrt = scaled.args
-        if not (isinstance(rsqrt, torch.fx.Node) and rsqrt.target == aten.rsqrt.default):
-            continue
-        add = rsqrt.args[0]
-        if not (isinstance(add, torch.fx.Node) and add.target == aten.add.Tensor and isinstance(add.args[1], float)):
-            continue
-        mean = add.args[0]
-        if not (isinstance(mean, torch.fx.Node) and mean.target == aten.mean.dim and list(mean.args[1]) == [-1]):
-            continue
-        square = mean.args[0]
-        if not (isinstance(square, torch.fx.Node) and square.target == aten.pow.Tensor_Scalar):
+        x, eps = scaled.args[0], add.args[1]
+        if not isinstance(x, torch.fx.Node) or not isinstance(eps, float) or list(mean.args[1]) != [-1]:  # type: ignore[arg-type]
             continue
         if square.args[0] is not x or square.args[1] != 2:
             continue
-        if x.meta.get("val") is None or x.meta["val"].dtype != torch.float32:
+        val = x.meta.get("val")
+        if val is None or val.dtype != torch.float32:
             return None
-        return x, weight, float(add.args[1])
+        return x, weight, eps
     return None

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="medusa: heads file from `specgraph train` (default: the shipped heads for smollm2-135m)",
     )
     c.add_argument(
+        "--acceptance",
+        default="greedy",
+        choices=["greedy", "typical"],
+        help="medusa: greedy verification (lossless, the default) or Medusa's typical acceptance, which is LOSSY: "
+        "it also accepts candidates the target finds merely probable, so the text can differ from greedy decoding",
+    )
+    c.add_argument(
         "--tree",
         default="default",
         help="medusa: candidate tree: a preset (default, chain-4, mc_sim_7b_63), "
@@ -159,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-new-tokens", type=_positive, default=32, help="tokens the target generates per prompt (default 32)"
     )
     t.add_argument("--threads", type=_positive, default=2, help="torch and ONNX Runtime threads (default 2)")
+    t.add_argument(
+        "--separate-lm-heads",
+        action="store_true",
+        help="give each head its own trainable copy of the "
+        "LM head (Medusa-1; 28M parameters per head on the default model, and every step reads them)",
+    )
     t.add_argument("--json", action="store_true", help="print the training report as JSON")
 
     i = sub.add_parser("inspect", help="show what the compiler recognises in a model")
@@ -182,6 +195,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         emit_logits=args.emit_logits,
         heads=args.heads,
         tree=args.tree,
+        acceptance=args.acceptance,
     )
     cfg.check()
     stages = ["load", "capture", "anatomy", *(p.__name__ for p in PIPELINES[cfg.method]), "export onnx"]
@@ -320,7 +334,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     report = train_medusa(model=args.model, prompts=args.prompts, output=args.output, num_heads=args.heads,
                           epochs=args.epochs, max_new_tokens=args.max_new_tokens, threads=args.threads,
-                          progress=not args.json, command=" ".join(["specgraph", *sys.argv[1:]]))  # fmt: skip
+                          progress=not args.json, command=" ".join(["specgraph", *sys.argv[1:]]),
+                          separate_lm_heads=args.separate_lm_heads)  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     return 0

@@ -38,10 +38,11 @@ from specgraph.passes import (
 )
 from specgraph.step import StepEngine
 from specgraph.step_tree import TOPK, TreeStepEngine
-from specgraph.tree import DEFAULT_TREE, Tree, build_tree, load_tree, named_tree
+from specgraph.tree import Tree, build_tree, load_tree, named_tree
 
 logger = logging.getLogger("specgraph.compiler")
 METHODS = ("none", "lookup", "medusa")
+TYPICAL = (0.09, 0.3, 0.7)  # Medusa's defaults: posterior threshold, alpha, temperature
 SHIPPED_HEADS = {"SmolLM2-135M-Instruct": "smollm2-135m-medusa4.safetensors"}
 Pass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 
@@ -77,6 +78,7 @@ class CompileConfig:
     emit_logits: bool = False  # also output logits [B, T, V] (tests compare them with eager)
     heads: str | None = None  # medusa: trained heads (safetensors); default: the shipped ones
     tree: str = "default"  # medusa: a preset name, a Medusa-format JSON file, or "auto"
+    acceptance: str = "greedy"  # medusa: "greedy" (lossless) or "typical" (Medusa's, LOSSY)
 
     def check(self) -> None:
         if self.method not in METHODS:
@@ -85,6 +87,8 @@ class CompileConfig:
             raise InputError(f"--max-context must be between 16 and 131072, got {self.max_context}")
         if self.method == "lookup" and not 1 <= self.num_draft <= 64:
             raise InputError(f"--num-draft must be between 1 and 64, got {self.num_draft}")
+        if self.acceptance not in ("greedy", "typical") or (self.acceptance == "typical" and self.method != "medusa"):
+            raise InputError(f"--acceptance {self.acceptance!r}: choose greedy, or typical with --method medusa")
         if not 1 <= self.max_ngram <= 8:
             raise InputError(f"--max-ngram must be between 1 and 8, got {self.max_ngram}")
 
@@ -128,8 +132,9 @@ def build_step_engine(
         assert heads is not None
         weight = anatomy.lm_head.args[1]
         assert isinstance(weight, torch.fx.Node)
+        typical = TYPICAL if cfg.acceptance == "typical" else None
         engine = TreeStepEngine(gm, anatomy.num_layers, cfg.max_context, heads.num_heads, str(weight.target),
-                                window, cfg.emit_logits)  # fmt: skip
+                                window, cfg.emit_logits, typical)  # fmt: skip
         return engine, anatomy, counts, _kv_shapes(anatomy, cfg)
     engine = StepEngine(
         gm,
@@ -224,13 +229,15 @@ def _write_tree(bundle: Path, cfg: CompileConfig, loaded: LoadedModel, anatomy: 
     """Write tree.json (Medusa's list-of-paths format) and return the manifest's medusa section."""
     heads, meta = _medusa_heads(loaded, cfg, anatomy)
     if tree is None:
-        tree = DEFAULT_TREE if cfg.tree == "auto" else _named_or_file(cfg.tree)
+        # auto: a one-node placeholder until the engine is measured (it fits any number of heads)
+        tree = Tree.from_paths([(0,)]) if cfg.tree == "auto" else _named_or_file(cfg.tree)
     tree.validate_for(heads.num_heads, cfg.max_context)
     if tree.max_topk > TOPK:
         raise InputError(f"tree uses rank {tree.max_topk - 1}, but the engine keeps the top {TOPK} tokens per head")
     (bundle / "tree.json").write_text(json.dumps({"paths": [list(p) for p in tree.paths]}) + "\n")
     section: dict[str, Any] = {"num_heads": heads.num_heads, "tree": "tree.json", "tree_size": tree.size,
-                               "tree_depth": tree.depth, "tree_source": cfg.tree}  # fmt: skip
+                               "tree_depth": tree.depth, "tree_source": cfg.tree, "accept_rule": cfg.acceptance,
+                               "lossless": cfg.acceptance == "greedy"}  # fmt: skip
     section["heads"] = {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
     if report is not None:
         section["auto_tree"] = report

@@ -21,12 +21,23 @@ FORMAT = "specgraph-medusa-1"
 
 
 class MedusaHeads(torch.nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int = 4) -> None:
+    """K heads; by default read out through the target's LM head. With `lm_heads` (a copy of the
+    LM head per Medusa head, [K, V, H], as in Medusa-1) each head has its own readout: more
+    accurate heads, but every step then reads K more vocabulary matrices."""
+
+    def __init__(self, hidden_size: int, num_heads: int = 4, lm_heads: torch.Tensor | None = None) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, out, in]
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))  # [K, H]
+        self.lm_heads = None if lm_heads is None else torch.nn.Parameter(lm_heads.clone())  # [K, V, H]
+
+    def readout(self, h: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """Head states h [..., K, H] -> logits [..., K, V], through `shared` [V, H] or own LM heads."""
+        if self.lm_heads is None:
+            return h @ shared.T
+        return torch.einsum("...kh,kvh->...kv", h, self.lm_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., K, H]"""
@@ -39,6 +50,8 @@ def save_heads(path: str | Path, heads: MedusaHeads, meta: dict[str, Any]) -> No
     header = {"format": FORMAT, "hidden_size": str(heads.hidden_size), "num_heads": str(heads.num_heads)}
     header["meta"] = json.dumps(meta)
     tensors = {"weight": heads.weight.detach().contiguous(), "bias": heads.bias.detach().contiguous()}
+    if heads.lm_heads is not None:
+        tensors["lm_heads"] = heads.lm_heads.detach().contiguous()
     save_file(tensors, str(path), metadata=header)
 
 
@@ -51,6 +64,7 @@ def load_heads(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[Med
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
             weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
+            lm_heads = f.get_tensor("lm_heads") if "lm_heads" in f.keys() else None
     except Exception as exc:  # safetensors raises several types for a bad file
         raise ModelLoadError(f"{path.name} is not a Medusa heads file: {str(exc).splitlines()[0]}") from exc
     if header.get("format") != FORMAT:
@@ -66,7 +80,11 @@ def load_heads(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[Med
             f"{path.name} was trained for a vocabulary of {meta['vocab_size']} ({meta.get('model', '?')}), "
             f"but this model's vocabulary is {vocab_size}"
         )
-    heads = MedusaHeads(hidden_size, int(header["num_heads"]))
+    if lm_heads is not None and tuple(lm_heads.shape[1:]) != (vocab_size, hidden_size):
+        raise InputError(
+            f"{path.name} has LM heads for a vocabulary of {lm_heads.shape[1]}, this model has {vocab_size}"
+        )
+    heads = MedusaHeads(hidden_size, int(header["num_heads"]), lm_heads)
     with torch.no_grad():
         heads.weight.copy_(weight)
         heads.bias.copy_(bias)

@@ -33,6 +33,7 @@ class TreeStepEngine(torch.nn.Module):
         lm_head_weight: str,
         sliding_window: int | None = None,
         emit_logits: bool = False,
+        typical: tuple[float, float, float] | None = None,
     ) -> None:
         super().__init__()
         self.target = target
@@ -43,6 +44,7 @@ class TreeStepEngine(torch.nn.Module):
         self.sliding_window = sliding_window
         self.emit_logits = emit_logits
         self.method = "medusa"
+        self.typical = typical  # (threshold, alpha, temperature): Medusa's LOSSY typical acceptance
 
     TREE_INPUTS = ("tree_mask", "tree_depths", "tree_parent", "tree_head", "tree_rank", "tree_retrieve")
 
@@ -129,6 +131,8 @@ class TreeStepEngine(torch.nn.Module):
         pred = logits.argmax(dim=-1)  # [B, T]
         parent = tree_parent[node].clamp(min=0)  # [T]
         correct = (pred[:, parent] == tokens) | (torch.arange(t)[None, :] == 0)  # [B, T]
+        if self.typical is not None:
+            correct = correct | _typical(logits, parent, tokens, *self.typical)
         valid = tree_retrieve >= 0  # [L, P+1]
         ok = correct[:, tree_retrieve.clamp(0, t - 1)] & valid[None]  # [B, L, P+1]
         length = (torch.cumsum((~ok).to(_I64), dim=-1) == 0).to(_I64).sum(-1) - 1  # [B, L] accepted nodes
@@ -154,9 +158,14 @@ class TreeStepEngine(torch.nn.Module):
 
         # Next tree: the heads read the hidden state of the last accepted token.
         h = hidden.gather(1, last_node[:, :, None].expand(b, 1, hidden.shape[-1]))[:, 0]  # [B, H]
-        heads = self.target.medusa_heads(h).reshape(b * self.num_heads, -1)  # [B*K, H]
+        medusa = self.target.medusa_heads
+        states = medusa(h)  # [B, K, H]
         weight = self.target.get_parameter(self.lm_head_weight)
-        head_logits = torch.nn.functional.linear(heads, weight).reshape(b, self.num_heads, -1)  # [B, K, V]
+        if medusa.lm_heads is None:  # shared LM head: one 2-D product, exported as Gemm on the stored weight
+            head_logits = torch.nn.functional.linear(states.reshape(b * self.num_heads, -1), weight)
+            head_logits = head_logits.reshape(b, self.num_heads, -1)  # [B, K, V]
+        else:
+            head_logits = medusa.readout(states, weight)  # [B, K, V], one LM head per Medusa head
         candidates = torch.topk(head_logits, TOPK, dim=-1).indices.reshape(b, self.num_heads * TOPK)  # [B, K*10]
         pick = (tree_head.clamp(min=0) * TOPK + tree_rank)[None, :].expand(b, n_nodes)  # [B, N]
         nodes = candidates.gather(1, pick)  # [B, N]
@@ -166,3 +175,13 @@ class TreeStepEngine(torch.nn.Module):
         if self.emit_logits:
             outputs.append(logits)
         return tuple(outputs)
+
+
+def _typical(logits, parent, tokens, threshold: float, alpha: float, temperature: float):  # type: ignore[no-untyped-def]
+    """Medusa's typical acceptance (LOSSY: the output is no longer the target's greedy text):
+    a node is also accepted when the target, at its parent, gives it probability above
+    min(threshold, alpha * exp(-entropy))."""
+    logp = torch.log_softmax(logits[:, parent] / temperature, dim=-1)  # [B, T, V] at each node's parent
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, T]
+    bar = torch.clamp(alpha * torch.exp(-entropy), max=threshold)
+    return logp.gather(2, tokens[:, :, None])[..., 0].exp() > bar  # [B, T]

@@ -53,6 +53,7 @@ def train_medusa(
     seed: int = 0,
     batch_size: int = 32,
     command: str | None = None,
+    separate_lm_heads: bool = False,
 ) -> dict[str, Any]:
     """Train `num_heads` Medusa heads for `model` on its own greedy answers to `prompts` and save
     them to `output`. `prompts` is a JSONL file of "prompt" strings ("prompt_ids" lists for a
@@ -83,7 +84,9 @@ def train_medusa(
         x_held, y_held, agree_held = _hidden_states(hf, lm_head, held, num_heads, progress, "hidden states (held out)")
         timings["hidden_s"] = time.perf_counter() - t0
         lm_weight = lm_head.weight.detach()  # [V, H], frozen and shared by every head
-        heads = MedusaHeads(x_train.shape[1], num_heads)
+        # separate_lm_heads: each head gets its own trainable copy of the LM head (Medusa-1)
+        own = lm_head.weight.detach()[None].repeat(num_heads, 1, 1) if separate_lm_heads else None  # [K, V, H]
+        heads = MedusaHeads(x_train.shape[1], num_heads, own)
         t0 = time.perf_counter()
         losses = _train(heads, lm_weight, x_train, y_train, epochs, lr, batch_size, seed, progress)
         timings["train_s"] = time.perf_counter() - t0
@@ -277,7 +280,7 @@ def _check_post_norm(from_hidden: torch.Tensor, logits: torch.Tensor) -> None:
 
 def _head_losses(heads: MedusaHeads, lm_weight: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of each head over its valid targets: [K]."""
-    logits = heads(x) @ lm_weight.T  # [B, K, V]
+    logits = heads.readout(heads(x), lm_weight)  # [B, K, V]
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten().clamp(min=0), reduction="none")  # [B*K]
     valid = (y != IGNORE).float()  # [B, K]
     return (ce.view_as(valid) * valid).sum(0) / valid.sum(0).clamp(min=1)  # [K]
@@ -333,7 +336,7 @@ def _evaluate(
     counts = torch.zeros(heads.num_heads, RANKS)  # [K, R]
     valid_total = torch.zeros(heads.num_heads)  # [K]
     for start in range(0, len(x), batch_size):
-        logits = heads(x[start : start + batch_size]) @ lm_weight.T  # [B, K, V]
+        logits = heads.readout(heads(x[start : start + batch_size]), lm_weight)  # [B, K, V]
         yb = y[start : start + batch_size]  # [B, K]
         true = logits.gather(-1, yb.clamp(min=0)[..., None])  # [B, K, 1]
         rank = (logits > true).sum(-1)  # [B, K]

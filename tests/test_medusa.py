@@ -99,3 +99,26 @@ def test_bad_tree_files(paths, message, tiny_folder, tmp_path):
 def test_tree_larger_than_context(tiny_folder, tmp_path):
     with pytest.raises(InputError, match="does not fit a context of 32"):
         _compile(tiny_folder("llama"), tmp_path / "b", _heads(tmp_path), "mc_sim_7b_63", max_context=32)
+
+
+def test_typical_acceptance_is_flagged_lossy_and_accepts_more(tiny_folder, tmp_path):
+    """Typical acceptance (LOSSY, opt-in) accepts at least what greedy verification accepts on
+    the first step, and the bundle says it is not lossless."""
+    heads = _heads(tmp_path)
+    for rule in ("greedy", "typical"):
+        cfg = CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / rule, method="medusa", max_context=320,
+                            heads=str(heads), tree="chain-4", acceptance=rule)  # fmt: skip
+        compile_model(cfg)
+    greedy, typical = Engine(tmp_path / "greedy"), Engine(tmp_path / "typical")
+    assert greedy.manifest["medusa"]["lossless"] and not typical.manifest["medusa"]["lossless"]
+    prompt = PROMPTS[1]
+    g = greedy.generate(prompt, max_new_tokens=40, stop_at_eos=False)
+    t = typical.generate(prompt, max_new_tokens=40, stop_at_eos=False)
+    assert t.accepted_per_step[0] >= g.accepted_per_step[0]
+    assert t.mean_accepted >= 1.0 and len(t.output_ids) == 40
+
+
+def test_typical_acceptance_needs_medusa(tiny_folder, tmp_path):
+    cfg = CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / "b", method="lookup", acceptance="typical")
+    with pytest.raises(InputError, match="typical with --method medusa"):
+        compile_model(cfg)

@@ -109,3 +109,47 @@ def test_text_prompts_need_a_tokenizer(tiny_folder, tmp_path: Path) -> None:
 def test_bad_arguments_are_input_errors(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="holdout"):
         train_medusa(model="unused", prompts="unused", output=tmp_path / "h.safetensors", holdout=1.0)
+
+
+def test_trained_heads_compile_and_stay_lossless(trained, tiny_folder, tmp_path) -> None:
+    """Heads trained on the target's own text raise the accepted length and keep greedy output."""
+    from specgraph.compiler import CompileConfig, compile_model
+    from specgraph.runtime import Engine
+    from tests.greedy import assert_same_greedy, hf_greedy
+    from tests.models.tiny import build
+
+    _, kwargs = trained
+    cfg = CompileConfig(model=kwargs["model"], output=tmp_path / "m", method="medusa", max_context=320,
+                        heads=str(kwargs["output"]), tree="chain-4" if HEADS >= 4 else "auto")  # fmt: skip
+    compile_model(cfg)
+    engine, model = Engine(tmp_path / "m"), build("llama")
+    prompt = json.loads(Path(kwargs["prompts"]).read_text().splitlines()[0])["prompt_ids"]
+    result = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False)
+    assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, 48))
+
+
+def test_separate_lm_heads_train_and_compile(tiny_folder, tiny_bundle, tmp_path) -> None:
+    from specgraph.compiler import CompileConfig, compile_model
+    from specgraph.runtime import Engine
+    from tests.greedy import assert_same_greedy, hf_greedy
+    from tests.models.tiny import build
+
+    prompts = _prompt_file(tmp_path, n=4)
+    out = tmp_path / "own.safetensors"
+    train_medusa(model=str(tiny_folder("llama")), prompts=str(prompts), output=out, num_heads=2, epochs=1,
+                 max_new_tokens=16, threads=1, progress=False, engine_bundle=str(tiny_bundle("llama", "none")),
+                 separate_lm_heads=True)  # fmt: skip
+    heads, _ = load_heads(out, HIDDEN, VOCAB)
+    assert heads.lm_heads is not None and tuple(heads.lm_heads.shape) == (2, VOCAB, HIDDEN)
+    compile_model(CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / "m", method="medusa",
+                                max_context=320, heads=str(out), tree=str(_tree2(tmp_path))))  # fmt: skip
+    engine, model = Engine(tmp_path / "m"), build("llama")
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    result = engine.generate(prompt, max_new_tokens=32, stop_at_eos=False)
+    assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, 32))
+
+
+def _tree2(folder: Path) -> Path:
+    path = folder / "tree2.json"
+    path.write_text(json.dumps([[0], [1], [0, 0]]))  # depth 2: fits two heads
+    return path
