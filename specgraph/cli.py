@@ -387,8 +387,11 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    for name in ("torch", "torch.onnx", "onnxscript", "transformers"):
+    for name in ("torch", "torch.onnx", "torch.onnx._internal.exporter._registration", "onnxscript", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars; our own bars say what is happening
 
 
 if __name__ == "__main__":
