@@ -40,7 +40,8 @@ def matmul_to_gemm(path: Path, leading_input: str = "tokens") -> int:
             new_nodes.append(node)
             continue
         out_features = _dims(inits[weight])[0]
-        new_nodes += _gemm_nodes(node, weight, rank, out_features, shapes, leading_input, graph)
+        in_features = _dims(inits[weight])[1]
+        new_nodes += _gemm_nodes(node, weight, rank, out_features, in_features, shapes, graph)
         changed += 1
     for n_out, shape_name in shapes.items():
         new_nodes[:0] = _output_shape_nodes(n_out, shape_name, leading_input)
@@ -85,14 +86,10 @@ def _weight_out_in(node, inits, producers, uses) -> str | None:  # type: ignore[
     return None
 
 
-def _gemm_nodes(node, weight, rank, n_out, shapes, leading_input, graph) -> list[onnx.NodeProto]:  # type: ignore[no-untyped-def]
+def _gemm_nodes(node, weight, rank, n_out, in_features, shapes, graph) -> list[onnx.NodeProto]:  # type: ignore[no-untyped-def]
     a, y = node.input[0], node.output[0]
     if rank == 2:
         return [helper.make_node("Gemm", [a, weight], [y], name=node.name, transB=1)]
-    in_features = None
-    for t in graph.initializer:
-        if t.name == weight:
-            in_features = t.dims[1]
     flat_shape = f"{node.name}_flat_shape"
     graph.initializer.append(numpy_helper.from_array(np.asarray([-1, in_features], np.int64), flat_shape))
     shapes.setdefault(n_out, f"_gemm_out_shape_{n_out}")

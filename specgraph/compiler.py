@@ -119,7 +119,9 @@ def build_step_engine(
     gm = capture(loaded, cfg.max_context)
     say("anatomy")
     anatomy = analyze(gm, loaded.hf_config)
-    heads, _ = _medusa_heads(loaded, cfg, anatomy) if cfg.method == "medusa" else (None, {})
+    heads, meta = _medusa_heads(loaded, cfg, anatomy) if cfg.method == "medusa" else (None, {})
+    if cfg.tree == "auto" and cfg.method == "medusa" and "acceptance" not in meta:
+        raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
     ctx = PassContext(anatomy, cfg.max_context, heads)
     counts: dict[str, dict[str, int]] = {}
     for pass_fn in PIPELINES[cfg.method]:
@@ -135,6 +137,7 @@ def build_step_engine(
         typical = TYPICAL if cfg.acceptance == "typical" else None
         engine = TreeStepEngine(gm, anatomy.num_layers, cfg.max_context, heads.num_heads, str(weight.target),
                                 window, cfg.emit_logits, typical)  # fmt: skip
+        engine.heads_meta = meta  # read once here; the tree writer uses it too
         return engine, anatomy, counts, _kv_shapes(anatomy, cfg)
     engine = StepEngine(
         gm,
@@ -208,11 +211,11 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
             },
         }
         if cfg.method == "medusa":
-            body["medusa"] = _write_tree(staging, cfg, loaded, anatomy)
+            body["medusa"] = _write_tree(staging, cfg, engine)
         write_manifest(staging, body)
         if cfg.method == "medusa" and cfg.tree == "auto":
             say("measure tree")
-            body["medusa"] = _auto_tree(staging, cfg, loaded, anatomy)
+            body["medusa"] = _auto_tree(staging, cfg, engine)
             write_manifest(staging, body)
         if out.exists():
             shutil.rmtree(out)
@@ -224,18 +227,19 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
     return CompileReport(out, cfg.method, anatomy.summary(), counts, seconds, body.get("medusa"))
 
 
-def _write_tree(bundle: Path, cfg: CompileConfig, loaded: LoadedModel, anatomy: Anatomy, tree: Tree | None = None,
+def _write_tree(bundle: Path, cfg: CompileConfig, engine: StepEngine | TreeStepEngine, tree: Tree | None = None,
                 report: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Write tree.json (Medusa's list-of-paths format) and return the manifest's medusa section."""
-    heads, meta = _medusa_heads(loaded, cfg, anatomy)
+    assert isinstance(engine, TreeStepEngine)
+    meta = engine.heads_meta
     if tree is None:
         # auto: a one-node placeholder until the engine is measured (it fits any number of heads)
         tree = Tree.from_paths([(0,)]) if cfg.tree == "auto" else _named_or_file(cfg.tree)
-    tree.validate_for(heads.num_heads, cfg.max_context)
+    tree.validate_for(engine.num_heads, cfg.max_context)
     if tree.max_topk > TOPK:
         raise InputError(f"tree uses rank {tree.max_topk - 1}, but the engine keeps the top {TOPK} tokens per head")
     (bundle / "tree.json").write_text(json.dumps({"paths": [list(p) for p in tree.paths]}) + "\n")
-    section: dict[str, Any] = {"num_heads": heads.num_heads, "tree": "tree.json", "tree_size": tree.size,
+    section: dict[str, Any] = {"num_heads": engine.num_heads, "tree": "tree.json", "tree_size": tree.size,
                                "tree_depth": tree.depth, "tree_source": cfg.tree, "accept_rule": cfg.acceptance,
                                "lossless": cfg.acceptance == "greedy"}  # fmt: skip
     section["heads"] = {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
@@ -248,21 +252,19 @@ def _named_or_file(name: str) -> Tree:
     return load_tree(name) if Path(name).suffix == ".json" or Path(name).is_file() else named_tree(name)
 
 
-def _auto_tree(bundle: Path, cfg: CompileConfig, loaded: LoadedModel, anatomy: Anatomy) -> dict[str, Any]:
+def _auto_tree(bundle: Path, cfg: CompileConfig, step: StepEngine | TreeStepEngine) -> dict[str, Any]:
     """Pick the tree that maximises expected tokens per second: the heads' measured acceptance
     (from their calibration text) against this engine's measured verify cost c(N)/c(1)."""
     from specgraph.runtime import Engine
 
-    _, meta = _medusa_heads(loaded, cfg, anatomy)
-    if "acceptance" not in meta:
-        raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
+    assert isinstance(step, TreeStepEngine)
     engine = Engine(bundle, verify=False)
     sizes = [n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if 128 + n <= cfg.max_context]
     ms = {n: engine.time_call(n, 128, repeats=5) for n in sizes}
     cost = {n: ms[n] / ms[1] for n in sizes}
-    tree, report = build_tree(np.asarray(meta["acceptance"]), cost, max_nodes=max(sizes))
+    tree, report = build_tree(np.asarray(step.heads_meta["acceptance"]), cost, max_nodes=max(sizes))
     report = {k: v for k, v in report.items() if k != "table"} | {"verify_cost": cost}
-    return _write_tree(bundle, cfg, loaded, anatomy, tree, report)
+    return _write_tree(bundle, cfg, step, tree, report)
 
 
 def _bindings(inputs: list[str], outputs: list[str]) -> dict[str, str]:

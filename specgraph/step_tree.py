@@ -45,6 +45,7 @@ class TreeStepEngine(torch.nn.Module):
         self.emit_logits = emit_logits
         self.method = "medusa"
         self.typical = typical  # (threshold, alpha, temperature): Medusa's LOSSY typical acceptance
+        self.heads_meta: dict = {}  # the heads file's header (training figures, measured acceptance)
 
     TREE_INPUTS = ("tree_mask", "tree_depths", "tree_parent", "tree_head", "tree_rank", "tree_retrieve")
 
