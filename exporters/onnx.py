@@ -16,6 +16,7 @@ import torch
 from specgraph.errors import ExportError
 from specgraph.exporters.gemm import matmul_to_gemm
 from specgraph.ops import ONNX_TRANSLATIONS
+from specgraph.sampling import ONNX_TRANSLATIONS as SAMPLING_TRANSLATIONS
 from specgraph.step import StepEngine
 from specgraph.step_tree import TreeStepEngine
 
@@ -41,7 +42,7 @@ def export_onnx(engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path) ->
                 input_names=inputs,
                 output_names=outputs,
                 dynamic_shapes=dyn,
-                custom_translation_table=ONNX_TRANSLATIONS,
+                custom_translation_table={**ONNX_TRANSLATIONS, **SAMPLING_TRANSLATIONS},
                 verbose=False,
                 optimize=True,
             )

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specgraph import sampling
 from specgraph.anatomy import Anatomy, analyze
 from specgraph.capture import capture
 from specgraph.errors import InputError
@@ -79,6 +80,12 @@ class CompileConfig:
     heads: str | None = None  # medusa: trained heads (safetensors); default: the shipped ones
     tree: str = "default"  # medusa: a preset name, a Medusa-format JSON file, or "auto"
     acceptance: str = "greedy"  # medusa: "greedy" (lossless) or "typical" (Medusa's, LOSSY)
+    sampling: bool = True  # temperature/top-k/top-p inputs with lossless speculative sampling
+
+    @property
+    def engine_samples(self) -> bool:
+        """Typical acceptance is its own (lossy) rule, so those engines are greedy-only."""
+        return self.sampling and self.acceptance == "greedy"
 
     def check(self) -> None:
         if self.method not in METHODS:
@@ -136,7 +143,7 @@ def build_step_engine(
         assert isinstance(weight, torch.fx.Node)
         typical = TYPICAL if cfg.acceptance == "typical" else None
         engine = TreeStepEngine(gm, anatomy.num_layers, cfg.max_context, heads.num_heads, str(weight.target),
-                                window, cfg.emit_logits, typical)  # fmt: skip
+                                window, cfg.emit_logits, typical, cfg.engine_samples)  # fmt: skip
         engine.heads_meta = meta  # read once here; the tree writer uses it too
         return engine, anatomy, counts, _kv_shapes(anatomy, cfg)
     engine = StepEngine(
@@ -148,6 +155,7 @@ def build_step_engine(
         cfg.max_ngram,
         sliding_window=window,
         emit_logits=cfg.emit_logits,
+        sampling=cfg.engine_samples,
     )
     return engine, anatomy, counts, _kv_shapes(anatomy, cfg)
 
@@ -199,6 +207,7 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
             "eos_token_ids": loaded.eos_token_ids,
             "tokenizer": tokenizer,
             "lookup": {"num_draft": cfg.num_draft, "max_ngram": cfg.max_ngram} if cfg.method == "lookup" else None,
+            "sampling": _sampling_section(cfg),
             "anatomy": anatomy.summary(),
             "passes": counts,
             "graph": {
@@ -236,8 +245,9 @@ def _write_tree(bundle: Path, cfg: CompileConfig, engine: StepEngine | TreeStepE
         # auto: a one-node placeholder until the engine is measured (it fits any number of heads)
         tree = Tree.from_paths([(0,)]) if cfg.tree == "auto" else _named_or_file(cfg.tree)
     tree.validate_for(engine.num_heads, cfg.max_context)
-    if tree.max_topk > TOPK:
-        raise InputError(f"tree uses rank {tree.max_topk - 1}, but the engine keeps the top {TOPK} tokens per head")
+    keep = min(TOPK, int(engine.target.get_parameter(engine.lm_head_weight).shape[0]))
+    if tree.max_topk > keep:
+        raise InputError(f"tree uses rank {tree.max_topk - 1}, but the engine keeps the top {keep} tokens per head")
     (bundle / "tree.json").write_text(json.dumps({"paths": [list(p) for p in tree.paths]}) + "\n")
     section: dict[str, Any] = {"num_heads": engine.num_heads, "tree": "tree.json", "tree_size": tree.size,
                                "tree_depth": tree.depth, "tree_source": cfg.tree, "accept_rule": cfg.acceptance,
@@ -265,6 +275,19 @@ def _auto_tree(bundle: Path, cfg: CompileConfig, step: StepEngine | TreeStepEngi
     tree, report = build_tree(np.asarray(step.heads_meta["acceptance"]), cost, max_nodes=max(sizes))
     report = {k: v for k, v in report.items() if k != "table"} | {"verify_cost": cost}
     return _write_tree(bundle, cfg, step, tree, report)
+
+
+def _sampling_section(cfg: CompileConfig) -> dict[str, Any] | None:
+    """How a host feeds the sampling inputs (None: a greedy-only engine)."""
+    if not cfg.engine_samples:
+        return None
+    return {
+        "inputs": list(sampling.INPUTS),
+        "uniforms": "uniforms[b, i] draws the token at absolute position i of row b; "
+        "specgraph draws numpy.random.Generator(PCG64(seed)).random((batch, max_context + 1), float32)",
+        "order": "temperature, then top-k (ties kept), then top-p, as Hugging Face's warpers",
+        "lossless": True,
+    }
 
 
 def _bindings(inputs: list[str], outputs: list[str]) -> dict[str, str]:

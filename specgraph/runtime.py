@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from specgraph.errors import InputError
 from specgraph.exporters.manifest import read_manifest
+from specgraph.sampling import SamplingParams, uniform_stream
 
 
 @dataclass
@@ -33,6 +34,7 @@ class GenerationResult:
     stop_reason: str  # "max_new_tokens" | "eos" | "max_context"
     text: str | None = None
     accepted_per_step: list[int] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     @property
     def mean_accepted(self) -> float:
@@ -55,6 +57,10 @@ class GenerationResult:
             "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
             "stop_reason": self.stop_reason,
+            "temperature": self.sampling.temperature,
+            "top_k": self.sampling.top_k,
+            "top_p": self.sampling.top_p,
+            "seed": self.sampling.seed,
         }
 
 
@@ -78,6 +84,7 @@ class Engine:
         self._kv = [v for v in self.manifest["graph"]["inputs"] if v["name"].startswith("past_")]
         self._bindings: dict[str, str] = self.manifest["graph"].get("bindings", {})
         self._constants = self._tree_inputs() if self.method == "medusa" else {}
+        self.samples: bool = bool(self.manifest.get("sampling"))  # has the sampling inputs
         self._tokenizer: Any = None
 
     def _tree_inputs(self) -> dict[str, np.ndarray]:
@@ -128,9 +135,17 @@ class Engine:
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.bundle / tok_dir))
         return self._tokenizer
 
-    def _new_state(self, batch: int) -> dict[str, ort.OrtValue]:
-        """Fresh zeroed caches (and token history) for `batch` rows."""
+    def _new_state(self, batch: int, params: SamplingParams | None = None) -> dict[str, ort.OrtValue]:
+        """Fresh zeroed caches (and token history) for `batch` rows, and the sampling inputs
+        (greedy unless `params` say otherwise; `params` must carry a seed)."""
         state = {}
+        if self.samples:
+            p = params or SamplingParams()
+            uniforms = (uniform_stream(p.seed, batch, self.max_context + 1) if p.seed is not None
+                        else np.zeros((batch, self.max_context + 1), np.float32))  # fmt: skip
+            values = {"temperature": np.full(batch, p.temperature, np.float32), "top_k": np.full(batch, p.top_k, np.int64),
+                      "top_p": np.full(batch, p.top_p, np.float32), "uniforms": uniforms}  # fmt: skip
+            state.update({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in values.items()})
         for v in self._kv:
             shape = [batch, *v["shape"][1:]]
             state[v["name"]] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
@@ -165,61 +180,96 @@ class Engine:
         max_new_tokens: int = 64,
         stop_at_eos: bool = True,
         on_tokens: Callable[[list[int]], None] | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
     ) -> GenerationResult:
-        """Greedy generation for one prompt; `on_tokens` receives each round's new tokens."""
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
+        """Generate for one prompt: greedy at temperature 0, else sampled (with `seed`, exactly
+        reproducible). `on_tokens` receives each round's new tokens."""
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        return self.generate_batch([prompt_ids], max_new_tokens, stop_at_eos, params, on_tokens)[0]
+
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int = 64,
+        stop_at_eos: bool = True,
+        params: SamplingParams | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for equal-length prompts, one engine row each, in lockstep (rows that
+        stopped keep running until all have). Row b draws with uniforms[b] of the seed's stream."""
+        params = (params or SamplingParams()).check()
+        if not params.greedy and not self.samples:
+            raise InputError(f"{self.bundle} was compiled without sampling (--no-sampling, or --acceptance typical): "
+                             "recompile it without those flags to sample")  # fmt: skip
+        params = params.with_seed() if not params.greedy else params
+        rows = [[int(t) for t in p] for p in prompts]
+        if not rows or not rows[0]:
             raise InputError("the prompt is empty")
-        if len(prompt) + self._extra_write >= self.max_context:
+        if any(len(r) != len(rows[0]) for r in rows):
+            raise InputError("generate_batch needs prompts of equal length")
+        length = len(rows[0])
+        if length + self._extra_write >= self.max_context:
             raise InputError(
-                f"prompt has {len(prompt)} tokens but the engine's maximum context is {self.max_context}; "
+                f"prompt has {length} tokens but the engine's maximum context is {self.max_context}; "
                 "recompile with a larger --max-context or shorten the prompt"
             )
-        state = self._new_state(1)
+        batch = len(rows)
+        state = self._new_state(batch, params)
         io = self.session.io_binding()
         start = time.perf_counter()
-        out = self._call(io, self._first_feeds(np.asarray([prompt], np.int64), len(prompt), 0), state)
+        out = self._call(io, self._first_feeds(np.asarray(rows, np.int64), length, 0), state)
         prefill_s = time.perf_counter() - start
-        emitted: list[int] = []
-        counts: list[int] = []
-        stop = self._emit(out, emitted, max_new_tokens, stop_at_eos, on_tokens)
-        one = np.ones(1, np.int64)
-        steps = 0
+        emitted: list[list[int]] = [[] for _ in rows]
+        counts: list[list[int]] = [[] for _ in rows]
+        stops: list[str | None] = [None] * batch
+        stream = on_tokens if batch == 1 else None
+        self._emit(out, emitted, stops, max_new_tokens, stop_at_eos, stream)
+        ones = np.ones(batch, np.int64)
         start = time.perf_counter()
-        while stop is None:
+        while any(stop is None for stop in stops):
             width = out["next_tokens"].shape()[1] + self._extra_write
-            if int(out["cache_len_out"].numpy()[0]) + width > self.max_context:
-                stop = "max_context"
+            if int(out["cache_len_out"].numpy().max()) + width > self.max_context:
+                stops = [stop or "max_context" for stop in stops]
                 break
             # Bind each output onto the input it feeds (manifest "bindings"); caches are in place.
             feeds = {i: out[o] for o, i in self._bindings.items() if not o.startswith("present_")}
             if "history" in feeds:
                 state["history"] = feeds.pop("history")
-            out = self._call(io, {**feeds, **self._constants, "n_fixed": one}, state)
-            steps += 1
-            before = len(emitted)
-            stop = self._emit(out, emitted, max_new_tokens, stop_at_eos, on_tokens)
-            counts.append(len(emitted) - before)
+            out = self._call(io, {**feeds, **self._constants, "n_fixed": ones}, state)
+            before = [len(e) if stop is None else -1 for e, stop in zip(emitted, stops, strict=True)]
+            self._emit(out, emitted, stops, max_new_tokens, stop_at_eos, stream)
+            for row, n in enumerate(before):
+                if n >= 0:
+                    counts[row].append(len(emitted[row]) - n)
         decode_s = time.perf_counter() - start
-        return GenerationResult(prompt, emitted, steps, prefill_s, decode_s, stop, None, counts)
+        return [GenerationResult(rows[b], emitted[b], len(counts[b]), prefill_s, decode_s, stops[b] or "max_new_tokens",
+                                 None, counts[b], params) for b in range(batch)]  # fmt: skip
 
-    def _emit(self, out, emitted, max_new_tokens, stop_at_eos, on_tokens) -> str | None:  # type: ignore[no-untyped-def]
-        """Append `accepted[:n_accepted]`, cut at EOS or the token budget; say why to stop."""
-        n = int(out["n_accepted"].numpy()[0])
-        new = [int(t) for t in out["accepted"].numpy()[0, :n]]
-        reason = None
-        if stop_at_eos:
-            for i, tok in enumerate(new):
-                if tok in self.eos_token_ids:
-                    new, reason = new[: i + 1], "eos"
-                    break
-        room = max_new_tokens - len(emitted)
-        if len(new) >= room:
-            new, reason = new[:room], reason if len(new) == room and reason else "max_new_tokens"
-        emitted += new
-        if on_tokens and new:
-            on_tokens(new)
-        return reason
+    def _emit(self, out, emitted, stops, max_new_tokens, stop_at_eos, on_tokens) -> None:  # type: ignore[no-untyped-def]
+        """Append each running row's `accepted[:n_accepted]`, cut at EOS or the token budget;
+        record why a row stops."""
+        n_acc = out["n_accepted"].numpy()
+        accepted = out["accepted"].numpy()
+        for row, stop in enumerate(stops):
+            if stop is not None:
+                continue
+            new = [int(t) for t in accepted[row, : int(n_acc[row])]]
+            reason = None
+            if stop_at_eos:
+                for i, tok in enumerate(new):
+                    if tok in self.eos_token_ids:
+                        new, reason = new[: i + 1], "eos"
+                        break
+            room = max_new_tokens - len(emitted[row])
+            if len(new) >= room:
+                new, reason = new[:room], reason if len(new) == room and reason else "max_new_tokens"
+            emitted[row] += new
+            stops[row] = reason
+            if on_tokens and new:
+                on_tokens(new)
 
     def time_call(self, n_tokens: int, cache_len: int, repeats: int = 10) -> float:
         """Median seconds of one engine call that verifies `n_tokens` tokens at context

@@ -5,6 +5,9 @@ Inputs (every tensor keeps the batch dimension B):
   n_fixed     [B]     int64  how many leading tokens are given (the prompt at prefill, 1 later)
   cache_len   [B]     int64  tokens already in the KV cache; this call writes at that offset
   history     [B, S+1] int64 (lookup only) every token so far, for the n-gram proposer
+  temperature [B] float, top_k [B] int64, top_p [B] float, uniforms [B, S+1] float
+              (engines compiled with sampling; see sampling.py) how to draw, and the uniform
+              for the token at each absolute position; temperature 0 is greedy
   past_key_i  [B, Hkv, D, S] / past_value_i [B, Hkv, S, D]  the preallocated caches
 Outputs:
   accepted    [B, T]  int64  tokens to emit this round; row b emits accepted[b, :n_accepted[b]]
@@ -23,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from specgraph import sampling
+
 _I64 = torch.int64
 _SPAN_BUCKET = 64  # attention reads cache slots in multiples of this
 
@@ -38,9 +43,11 @@ class StepEngine(torch.nn.Module):
         max_ngram: int = 3,
         sliding_window: int | None = None,
         emit_logits: bool = False,
+        sampling: bool = False,
     ) -> None:
         super().__init__()
         self.target = target
+        self.sampling = sampling
         self.num_layers = num_layers
         self.max_context = max_context
         self.method = method
@@ -56,6 +63,8 @@ class StepEngine(torch.nn.Module):
         if self.method == "lookup":
             inputs.append("history")
             outputs.append("history_out")
+        if self.sampling:
+            inputs += sampling.INPUTS
         inputs += kv_names("past", self.num_layers)
         outputs += kv_names("present", self.num_layers)
         return inputs, outputs + (["logits"] if self.emit_logits else [])
@@ -65,6 +74,8 @@ class StepEngine(torch.nn.Module):
         args = [torch.zeros(batch, tokens, dtype=_I64), torch.ones(batch, dtype=_I64), torch.zeros(batch, dtype=_I64)]
         if self.method == "lookup":
             args.append(torch.zeros(batch, self.max_context + 1, dtype=_I64))
+        if self.sampling:
+            args += sampling.example_inputs(batch, self.max_context)
         return (*args, *(torch.zeros(batch, *shape) for shape in kv_shapes))
 
     def dynamic_shapes(self, args: tuple) -> tuple:
@@ -74,7 +85,8 @@ class StepEngine(torch.nn.Module):
 
     def forward(self, tokens, n_fixed, cache_len, *state):  # type: ignore[no-untyped-def]
         history = state[0] if self.method == "lookup" else None
-        kv = state[1:] if self.method == "lookup" else state
+        state = state[1:] if self.method == "lookup" else state
+        params, kv = (state[:4], state[4:]) if self.sampling else ((), state)
         b, t = tokens.shape
         s = kv[1].shape[-2]  # cache slots: past_value_0 is [B, Hkv, S, D]
         offsets = torch.arange(t, dtype=_I64)
@@ -89,7 +101,12 @@ class StepEngine(torch.nn.Module):
         reach = cache_len.max() + t
         span = torch.clamp((reach + _SPAN_BUCKET - 1) // _SPAN_BUCKET * _SPAN_BUCKET, max=s).reshape(1)  # [1]
         logits, *present = self.target(tokens, positions, *masks, cache_len, span, *kv)
-        accepted, n_accepted, bonus, committed = _accept_greedy(tokens, logits, n_fixed)
+        if self.sampling:
+            u = sampling.position_uniforms(params[3], positions + 1)  # [B, T] for the token after each
+            pred = _chain_targets(tokens, logits, n_fixed, params[:3], u)
+        else:
+            pred = logits.argmax(dim=-1)  # [B, T]
+        accepted, n_accepted, bonus, committed = accept_chain(tokens, pred, n_fixed)
         cache_len_out = cache_len + committed  # [B]
         outputs = [accepted, n_accepted]
         if self.method == "lookup":
@@ -114,15 +131,22 @@ def dims(max_context: int) -> tuple[torch.export.Dim, torch.export.Dim]:
     return torch.export.Dim("batch", min=1, max=64), torch.export.Dim("tokens", min=1, max=max_context)
 
 
-def _accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, n_fixed: torch.Tensor):  # type: ignore[no-untyped-def]
-    """Greedy verification of a chain: keep the longest draft prefix equal to the target's argmax.
+def _chain_targets(tokens, logits, n_fixed, params, u):  # type: ignore[no-untyped-def]
+    """The target's token after each position: x[t] ~ p~(. | tokens[..t]) drawn with u[t]
+    (argmax at temperature 0). Accepting the drafts that equal x is speculative sampling with
+    one-hot draft distributions (see sampling.py); `tokens` is unused by this exact rule."""
+    return torch.ops.specgraph.sample(logits, n_fixed - 1, *params, u)
 
-    Token t+1 is kept when it is given (t+1 < n_fixed) or equals argmax(logits[t]); with exact
-    argmax agreement the emitted text is exactly greedy decoding of the target (the standard
-    lossless greedy rule of speculative decoding).
+
+def accept_chain(tokens: torch.Tensor, pred: torch.Tensor, n_fixed: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Verification of a chain: keep the longest draft prefix equal to the target's own tokens.
+
+    Token t+1 is kept when it is given (t+1 < n_fixed) or equals pred[t], the target's token
+    after position t (its argmax, or its draw with that position's uniform). With argmax this is
+    the lossless greedy rule of speculative decoding; with draws it is speculative sampling for
+    one-hot drafts. Either way the emitted text is what the target alone would have produced.
     """
     b, t = tokens.shape
-    pred = logits.argmax(dim=-1)  # [B, T]
     later = torch.arange(1, t, dtype=_I64)[None, :]  # index of the token being checked
     ok = (later < n_fixed[:, None]) | (pred[:, :-1] == tokens[:, 1:])  # [B, T-1]
     run = (torch.cumsum((~ok).to(_I64), dim=-1) == 0).to(_I64)  # 1 while every check so far passed

@@ -6,6 +6,7 @@ Inputs beyond the chain engine's (see step.py):
   tree_mask [N, N] bool, tree_depths [N], tree_parent [N], tree_head [N], tree_rank [N],
   tree_retrieve [L, P+1]        the candidate tree (node 0 = root = the bonus token; -1 pads);
                                 constants the host binds once, so one engine runs any tree
+  temperature, top_k, top_p, uniforms   (engines compiled with sampling) as in step.py
 Outputs: accepted [B, P+1], n_accepted [B], next_tokens [B, N], cache_len_out [B],
   path_src_out [B, P], n_path_out [B], present_*; logits [B, T, V] with emit_logits.
 A call whose rows have n_fixed == 1 and T == N is a tree step; anything else (the prefill) is a
@@ -17,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from specgraph.step import _SPAN_BUCKET, _accept_greedy, dims, kv_names
+from specgraph import sampling
+from specgraph.step import _SPAN_BUCKET, accept_chain, dims, kv_names
 
 _I64 = torch.int64
 TOPK = 10  # candidates kept per head; tree ranks must be below this
@@ -34,8 +36,10 @@ class TreeStepEngine(torch.nn.Module):
         sliding_window: int | None = None,
         emit_logits: bool = False,
         typical: tuple[float, float, float] | None = None,
+        sampling: bool = False,
     ) -> None:
         super().__init__()
+        self.sampling = sampling
         self.target = target
         self.num_layers = num_layers
         self.max_context = max_context
@@ -51,6 +55,7 @@ class TreeStepEngine(torch.nn.Module):
 
     def io_names(self) -> tuple[list[str], list[str]]:
         inputs = ["tokens", "n_fixed", "cache_len", "path_src", "n_path", *self.TREE_INPUTS]
+        inputs += sampling.INPUTS if self.sampling else ()
         outputs = ["accepted", "n_accepted", "next_tokens", "cache_len_out", "path_src_out", "n_path_out"]
         inputs += kv_names("past", self.num_layers)
         outputs += kv_names("present", self.num_layers)
@@ -69,6 +74,8 @@ class TreeStepEngine(torch.nn.Module):
             mask, torch.tensor([0, 1, 1, 2]), torch.tensor([-1, 0, 0, 1]), torch.tensor([-1, 0, 0, 1]),
             torch.tensor([0, 0, 1, 0]), retrieve,
         ]  # fmt: skip
+        if self.sampling:
+            args += sampling.example_inputs(batch, self.max_context)
         return (*args, *(torch.zeros(batch, *shape) for shape in kv_shapes))
 
     def dynamic_shapes(self, args: tuple) -> tuple:
@@ -76,6 +83,7 @@ class TreeStepEngine(torch.nn.Module):
         nodes = torch.export.Dim("tree_nodes", min=1, max=self.max_context)
         leaves = torch.export.Dim("tree_leaves", min=1, max=self.max_context)
         tree = ({0: nodes, 1: nodes}, {0: nodes}, {0: nodes}, {0: nodes}, {0: nodes}, {0: leaves})
+        # forward(..., tree_retrieve, *state): sampling inputs and caches all lead with the batch
         return ({0: batch, 1: tokens}, {0: batch}, {0: batch}, {0: batch}, {0: batch}, *tree,
                 tuple({0: batch} for _ in args[11:]))  # fmt: skip
 
@@ -92,8 +100,9 @@ class TreeStepEngine(torch.nn.Module):
         tree_head,
         tree_rank,
         tree_retrieve,
-        *kv,
+        *state,
     ):
+        params, kv = (state[:4], state[4:]) if self.sampling else ((), state)
         b, t = tokens.shape
         s = kv[1].shape[-2]
         n_nodes = tree_depths.shape[0]
@@ -124,24 +133,18 @@ class TreeStepEngine(torch.nn.Module):
         logits, *rest = self.target(tokens, positions, *masks, cache_len, span, *kv, path_src, n_path)
         present, hidden = rest[:-1], rest[-1]
 
-        # Chain rule for the prefill rows.
-        c_acc, c_n, c_bonus, c_committed = _accept_greedy(tokens, logits, n_fixed)
-        # Tree rule: a node is correct when it equals the target's argmax at its parent; the
-        # accepted branch is the longest all-correct root-to-leaf prefix (greedy verification
-        # of a token tree, as in Medusa/SpecInfer), so the output is exactly greedy decoding.
-        pred = logits.argmax(dim=-1)  # [B, T]
-        parent = tree_parent[node].clamp(min=0)  # [T]
-        correct = (pred[:, parent] == tokens) | (torch.arange(t)[None, :] == 0)  # [B, T]
-        if self.typical is not None:
-            correct = correct | _typical(logits, parent, tokens, *self.typical)
-        valid = tree_retrieve >= 0  # [L, P+1]
-        ok = correct[:, tree_retrieve.clamp(0, t - 1)] & valid[None]  # [B, L, P+1]
-        length = (torch.cumsum((~ok).to(_I64), dim=-1) == 0).to(_I64).sum(-1) - 1  # [B, L] accepted nodes
-        best = length.argmax(dim=-1)  # [B] first longest branch
-        n_acc = length.max(dim=-1).values  # [B]
-        branch = tree_retrieve[best]  # [B, P+1] node ids, root first
+        if self.sampling:
+            # Chain rule for the prefill rows (tree rows draw nothing here: first = T).
+            u = sampling.position_uniforms(params[3], positions + 1)  # [B, T]
+            first = torch.where(is_tree, torch.full_like(n_fixed, t), n_fixed - 1)
+            c_acc, c_n, c_bonus, c_committed = accept_chain(
+                tokens, torch.ops.specgraph.sample(logits, first, *params[:3], u), n_fixed
+            )
+            branch, n_acc, t_bonus = walk_tree(tokens, logits, tree_parent[node], params, committed, self.num_heads)
+        else:
+            c_acc, c_n, c_bonus, c_committed = accept_chain(tokens, logits.argmax(dim=-1), n_fixed)
+            branch, n_acc, t_bonus = self._greedy_tree(tokens, logits, node, tree_parent, tree_retrieve)
         last = branch.gather(1, n_acc[:, None]).clamp(0, t - 1)  # [B, 1] (clamped: chain rows index garbage)
-        t_bonus = pred.gather(1, last)  # [B, 1]
         width = branch.shape[1]
         branch_tokens = torch.cat([tokens.gather(1, branch[:, 1:].clamp(0, t - 1)), t_bonus], dim=1)  # [B, P+1]
         j = torch.arange(width, dtype=_I64)[None, :]
@@ -167,8 +170,9 @@ class TreeStepEngine(torch.nn.Module):
             head_logits = head_logits.reshape(b, self.num_heads, -1)  # [B, K, V]
         else:
             head_logits = medusa.readout(states, weight)  # [B, K, V], one LM head per Medusa head
-        candidates = torch.topk(head_logits, TOPK, dim=-1).indices.reshape(b, self.num_heads * TOPK)  # [B, K*10]
-        pick = (tree_head.clamp(min=0) * TOPK + tree_rank)[None, :].expand(b, n_nodes)  # [B, N]
+        keep = min(TOPK, head_logits.shape[-1])
+        candidates = torch.topk(head_logits, keep, dim=-1).indices.reshape(b, self.num_heads * keep)  # [B, K*10]
+        pick = (tree_head.clamp(min=0) * keep + tree_rank)[None, :].expand(b, n_nodes)  # [B, N]
         nodes = candidates.gather(1, pick)  # [B, N]
         next_tokens = torch.cat([bonus, nodes[:, 1:]], dim=1)  # [B, N]: root = bonus
 
@@ -176,6 +180,65 @@ class TreeStepEngine(torch.nn.Module):
         if self.emit_logits:
             outputs.append(logits)
         return tuple(outputs)
+
+    def _greedy_tree(self, tokens, logits, node, tree_parent, tree_retrieve):  # type: ignore[no-untyped-def]
+        """Greedy tree rule: a node is correct when it equals the target's argmax at its parent;
+        the accepted branch is the longest all-correct root-to-leaf prefix (greedy verification of
+        a token tree, as in Medusa/SpecInfer), so the output is exactly greedy decoding."""
+        t = tokens.shape[1]
+        pred = logits.argmax(dim=-1)  # [B, T]
+        parent = tree_parent[node].clamp(min=0)  # [T]
+        correct = (pred[:, parent] == tokens) | (torch.arange(t)[None, :] == 0)  # [B, T]
+        if self.typical is not None:
+            correct = correct | _typical(logits, parent, tokens, *self.typical)
+        valid = tree_retrieve >= 0  # [L, P+1]
+        ok = correct[:, tree_retrieve.clamp(0, t - 1)] & valid[None]  # [B, L, P+1]
+        length = (torch.cumsum((~ok).to(_I64), dim=-1) == 0).to(_I64).sum(-1) - 1  # [B, L] accepted nodes
+        best = length.argmax(dim=-1)  # [B] first longest branch
+        n_acc = length.max(dim=-1).values  # [B]
+        branch = tree_retrieve[best]  # [B, P+1] node ids, root first
+        last = branch.gather(1, n_acc[:, None]).clamp(0, t - 1)  # [B, 1]
+        return branch, n_acc, pred.gather(1, last)
+
+
+def walk_tree(tokens, logits, parent, params, committed, max_depth: int):  # type: ignore[no-untyped-def]
+    """Tree verification by sampling: from the root, draw x ~ p~ at the current node with the
+    uniform of the position after it and move to the child whose token is x; stop at the first
+    node with no such child and emit x there.
+
+    This is SpecInfer's recursive rejection sampling without replacement for deterministic
+    (top-k) candidates: sibling c_i is accepted with probability p~(c_i) / (1 - mass of the
+    siblings rejected before it), and on rejecting all of them x follows the residual, p~ without
+    the siblings. At temperature 0, x is the argmax and this is greedy tree verification.
+    Returns the branch [B, max_depth+1] (node ids, root first, -1 pads), accepted nodes [B] and
+    the bonus token [B, 1].
+    """
+    b, t, v = logits.shape
+    cur = torch.zeros(b, 1, dtype=_I64)  # [B, 1] the node reached
+    alive = torch.ones(b, 1, dtype=torch.bool)
+    bonus = torch.zeros(b, 1, dtype=_I64)
+    n_acc = torch.zeros(b, dtype=_I64)
+    steps = [cur]
+    for depth in range(max_depth + 1):
+        row = logits.gather(1, cur[:, :, None].expand(b, 1, v))  # [B, 1, V] the target at this node
+        u = sampling.position_uniforms(params[3], committed[:, None] + depth + 1)  # [B, 1]
+        children = parent[None, :] == cur  # [B, T]
+        x = _node_draw(row, children, tokens, params, u)  # [B, 1]
+        match = (children & (tokens == x)).to(_I64)  # [B, T]
+        has = (match.amax(dim=-1, keepdim=True) > 0) & alive  # [B, 1]
+        bonus = torch.where(alive & ~has, x, bonus)
+        cur = torch.where(has, match.argmax(dim=-1, keepdim=True), cur)
+        n_acc = n_acc + has[:, 0].to(_I64)
+        alive = has
+        if depth < max_depth:
+            steps.append(torch.where(has, cur, torch.full_like(cur, -1)))
+    return torch.cat(steps, dim=1), n_acc, bonus
+
+
+def _node_draw(row, children, tokens, params, u):  # type: ignore[no-untyped-def]
+    """The target's token after one node, x ~ p~ with that position's uniform; the exact rule
+    needs neither the children nor the tokens (tests swap in broken rules that do)."""
+    return torch.ops.specgraph.sample(row, torch.zeros_like(u[:, 0], dtype=_I64), *params[:3], u)  # [B, 1]
 
 
 def _typical(logits, parent, tokens, threshold: float, alpha: float, temperature: float):  # type: ignore[no-untyped-def]

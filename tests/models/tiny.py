@@ -19,19 +19,24 @@ from transformers import (
 VOCAB = 256
 
 
-def _llama() -> torch.nn.Module:
+def _llama(vocab: int = VOCAB) -> torch.nn.Module:
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        eos_token_id=VOCAB - 1,
+        eos_token_id=vocab - 1,
         bos_token_id=1,
     )
     return LlamaForCausalLM(cfg)
+
+
+def _llama_v8() -> torch.nn.Module:
+    """An 8-token vocabulary: small enough to enumerate the joint law of three tokens (512 cells)."""
+    return _llama(8)
 
 
 def _qwen2() -> torch.nn.Module:
@@ -81,7 +86,7 @@ def _gemma3() -> torch.nn.Module:
     return Gemma3ForCausalLM(cfg)
 
 
-BUILDERS = {"llama": _llama, "qwen2": _qwen2, "gpt2": _gpt2, "gemma3": _gemma3}
+BUILDERS = {"llama": _llama, "llama-v8": _llama_v8, "qwen2": _qwen2, "gpt2": _gpt2, "gemma3": _gemma3}
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:

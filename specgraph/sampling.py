@@ -1,0 +1,293 @@
+"""Lossless sampling inside the step engine: temperature, top-k and top-p, with one host-drawn
+uniform per generated position.
+
+The rule. Every drafter here proposes deterministic tokens (lookup copies earlier text, Medusa
+takes the heads' top-k), so a draft's proposal distribution q is a point mass. At each position
+the engine draws x ~ p~ (the target's distribution after temperature, top-k and top-p, applied in
+Hugging Face's order) by inverse CDF with that position's uniform, and accepts the draft exactly
+when it equals x; the first position where no draft equals x emits x. For a chain this is
+speculative sampling with one-hot q (accept d with probability p~(d) = min(1, p~/q); on rejection
+the residual max(0, p~ - q) is p~ without d, which is what x is conditioned on when x != d).
+For a tree it is SpecInfer's recursive rejection sampling without replacement over the siblings
+(children are distinct tokens; child i is accepted with probability p~(c_i) / (1 - sum of the
+rejected siblings' p~), which is the law of x given that it missed the earlier siblings). Because
+the uniform belongs to the position, not to the draft, every engine emits the same tokens as
+plain sampling does with the same uniforms: a seeded speculative run equals a seeded `none` run.
+
+Uniforms: `uniforms[b, i]` is the draw for the token at absolute position i of row b (prompt
+positions are never read). The host draws them once per generation with `uniform_stream`.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnxscript
+import torch
+
+from specgraph.errors import InputError
+
+_OPSET24 = onnxscript.values.Opset("", 24)
+_I64 = torch.int64
+_INT64 = onnxscript.ir.DataType.INT64
+SORTED_PREFIX = 256  # top-k/top-p thresholds come from the 256 best tokens when they lie there
+INPUTS = ("temperature", "top_k", "top_p", "uniforms")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token: temperature 0 is greedy; top_k 0 and top_p 1 switch those off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed, reported with the result
+
+    def check(self) -> SamplingParams:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InputError(f"--temperature must be a number >= 0 (0 = greedy), got {self.temperature}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise InputError(f"--top-k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise InputError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InputError(f"--seed must be an integer in [0, 2**63), got {self.seed}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_seed(self) -> SamplingParams:
+        """These parameters with a concrete seed (drawn from the OS when none was given)."""
+        return self if self.seed is not None else SamplingParams(self.temperature, self.top_k, self.top_p,
+                                                                  secrets.randbits(63))  # fmt: skip
+
+
+def uniform_stream(seed: int, rows: int, length: int) -> np.ndarray:
+    """The uniforms a run with `seed` uses: numpy's PCG64 float32 stream, row-major [rows, length]."""
+    return np.random.Generator(np.random.PCG64(seed)).random((rows, length), dtype=np.float32)
+
+
+def filter_logits(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The reference: p~ in float64 for the last axis, with Hugging Face's warpers' semantics
+    (temperature, then top-k keeping ties, then top-p dropping the tail whose mass is <= 1 - top_p)."""
+    z = np.asarray(logits, np.float64) / (temperature if temperature > 0 else 1.0)
+    v = z.shape[-1]
+    if 0 < top_k < v:
+        kth = np.sort(z, axis=-1)[..., v - top_k][..., None]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if top_p < 1:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, -1)
+        before = np.cumsum(sorted_p, -1) - sorted_p  # mass of the better tokens
+        keep = np.zeros_like(p, bool)
+        np.put_along_axis(keep, order, before < top_p, -1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(-1, keepdims=True)
+    return p
+
+
+# --- the engine op: one draw per (row, position) -------------------------------------------------
+# The inverse CDF runs in two levels: sums of blocks of BLOCK tokens pick the block, a cumulative
+# sum inside that block picks the token (a cumulative sum over the whole vocabulary is the
+# slowest kernel ONNX Runtime has for this; block sums are one vectorised reduction).
+BLOCK = 256
+
+
+@torch.library.custom_op("specgraph::sample", mutates_args=())
+def sample(
+    logits: torch.Tensor,  # [B, T, V]
+    first: torch.Tensor,  # [B] positions before this are not drawn (they return the argmax)
+    temperature: torch.Tensor,  # [B] float, 0 = greedy
+    top_k: torch.Tensor,  # [B] int64, 0 = off
+    top_p: torch.Tensor,  # [B] float, 1 = off
+    u: torch.Tensor,  # [B, T] uniforms in [0, 1)
+) -> torch.Tensor:
+    """x[b, t] ~ p~ by inverse CDF in vocabulary order with u[b, t]; the argmax where temperature
+    is 0 or t < first[b]. Eager form: the same arithmetic as the ONNX form, on every position."""
+    b, t, v = logits.shape
+    out = logits.argmax(dim=-1)  # [B, T]
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    z = (logits.float() / temp[:, None, None]).reshape(b * t, v)  # [N, V]
+    spread = lambda x: x[:, None].expand(b, t).reshape(-1)  # noqa: E731  [B] -> [N]
+    x = _draw_rows_eager(z, spread(top_k), spread(top_p.float()), u.reshape(-1).float()).reshape(b, t)
+    drawn = (torch.arange(t)[None, :] >= first[:, None]) & (temperature > 0)[:, None]
+    return torch.where(drawn, x, out)
+
+
+def _draw_rows_eager(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    n, v = z.shape
+    k_eff = torch.where(top_k > 0, torch.clamp(top_k, max=v), torch.full_like(top_k, v))  # [N]
+    s = torch.sort(z, dim=-1, descending=True).values  # [N, V]
+    e = torch.exp(z - s[:, :1])  # [N, V]
+    es = torch.where(torch.arange(v)[None, :] < k_eff[:, None], torch.exp(s - s[:, :1]), torch.zeros_like(s))
+    before = (torch.cumsum(es, -1) - es) / es.sum(-1, keepdim=True)  # [N, V] mass of the better tokens
+    keep = (torch.arange(v)[None, :] < k_eff[:, None]) & (before < top_p[:, None])
+    thr = s.gather(1, keep.sum(-1, keepdim=True) - 1)  # [N, 1] smallest kept logit
+    w = torch.where(z >= thr, e, torch.zeros_like(e))
+    pad = (-v) % BLOCK
+    w3 = torch.nn.functional.pad(w, (0, pad)).reshape(n, -1, BLOCK)  # [N, nb, BLOCK]
+    wb = w3.sum(-1)  # [N, nb]
+    cb = torch.cumsum(wb, -1)
+    target = u[:, None] * cb[:, -1:]  # [N, 1]
+    blk = torch.minimum((cb <= target).sum(-1), _last_positive_eager(wb))  # [N]
+    within = w3[torch.arange(n), blk]  # [N, BLOCK]
+    cw = torch.cumsum(within, -1) + (cb.gather(1, blk[:, None]) - wb.gather(1, blk[:, None]))
+    pos = torch.minimum((cw <= target).sum(-1), _last_positive_eager(within))
+    return blk * BLOCK + pos
+
+
+def _last_positive_eager(w: torch.Tensor) -> torch.Tensor:
+    idx = torch.arange(w.shape[-1])[None, :].expand_as(w)
+    return torch.where(w > 0, idx, torch.zeros_like(idx)).max(-1).values
+
+
+@sample.register_fake
+def _sample_fake(logits, first, temperature, top_k, top_p, u):  # type: ignore[no-untyped-def]
+    return torch.empty(logits.shape[:2], dtype=_I64, device=logits.device)
+
+
+def _sample_onnx(logits, first, temperature, top_k, top_p, u):  # type: ignore[no-untyped-def]
+    """ONNX form. Only the rows that need a draw are computed: R = T - min(first) positions per
+    row, and R = 0 when every row is greedy, so a greedy call pays nothing for sampling."""
+    op = _OPSET24
+    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+    t_len = op.Shape(logits, start=1, end=2)  # [1]
+    vocab = op.Shape(logits, start=2, end=3)  # [1]
+    greedy_row = op.LessOrEqual(temperature, op.CastLike(op.Constant(value_float=0.0), temperature))  # [B]
+    any_drawn = op.ReduceMax(op.Cast(op.Not(greedy_row), to=_INT64), keepdims=1)  # [1]
+    rows = op.Mul(op.Sub(t_len, op.ReduceMin(first, keepdims=1)), any_drawn)  # [1] R
+    j = op.Range(op.Constant(value_int=0), op.Squeeze(rows, zero), op.Constant(value_int=1))  # [R]
+    pos = op.Min(op.Add(op.Unsqueeze(first, one), op.Unsqueeze(j, zero)), op.Sub(t_len, one))  # [B, R]
+    batch = op.Shape(first)  # [1]
+    row0 = op.Mul(op.Range(op.Constant(value_int=0), op.Squeeze(batch, zero), op.Constant(value_int=1)), t_len)
+    flat_pos = op.Reshape(op.Add(op.Unsqueeze(row0, one), pos), op.Constant(value_ints=[-1]))  # [N], N = B*R
+    z = op.Gather(op.Reshape(logits, op.Concat(op.Constant(value_ints=[-1]), vocab, axis=0)), flat_pos, axis=0)
+    per_row = op.Shape(pos)  # [2]: B, R
+
+    def spread(x):  # type: ignore[no-untyped-def]  # [B] -> [N]
+        return op.Reshape(op.Expand(op.Unsqueeze(x, one), per_row), op.Constant(value_ints=[-1]))
+
+    temp = spread(op.Where(greedy_row, op.CastLike(op.Constant(value_float=1.0), temperature), temperature))
+    z = op.Div(z, op.CastLike(op.Unsqueeze(temp, one), z))  # [N, V]
+    u_rows = op.Reshape(op.GatherElements(u, pos, axis=1), op.Constant(value_ints=[-1]))  # [N]
+    x = _draw_rows(op, z, spread(top_k), op.CastLike(spread(top_p), z), op.CastLike(u_rows, z))
+    pad_col = op.Expand(op.Constant(value_ints=[0]), op.Concat(batch, one, axis=0))  # [B, 1]
+    drawn = op.Concat(op.Reshape(x, per_row, allowzero=1), pad_col, axis=1)  # [B, R+1]
+    t_idx = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(t_len, zero), op.Constant(value_int=1)), zero)
+    rel = op.Sub(t_idx, op.Unsqueeze(first, one))  # [B, T]
+    back = op.GatherElements(drawn, op.Min(op.Max(rel, zero), rows), axis=1)  # [B, T] (R = the pad)
+    use = op.And(op.GreaterOrEqual(rel, zero), op.Not(op.Unsqueeze(greedy_row, one)))
+    return op.Where(use, back, op.ArgMax(logits, axis=2, keepdims=0))
+
+
+def _draw_rows(op, z, top_k, top_p, u):  # type: ignore[no-untyped-def]
+    """x[n] ~ softmax(z[n]) restricted by top-k then top-p; z [N, V], top_k/top_p/u [N]."""
+    zero, one, two = op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[2])
+    vocab = op.Shape(z, start=1, end=2)  # [1]
+    k_eff = op.Where(op.Greater(top_k, op.Constant(value_int=0)), op.Min(top_k, vocab), vocab)  # [N]
+    need = op.Or(op.Less(k_eff, vocab), op.Less(top_p, op.CastLike(op.Constant(value_float=1.0), top_p)))  # [N]
+    any_need = op.ReduceMax(op.Cast(need, to=_INT64), keepdims=1)  # [1]; no rows: the lowest int64
+    top = op.ReduceMax(z, one, keepdims=1)  # [N, 1]
+    e = op.Exp(op.Sub(z, top))  # [N, V]
+    total = op.ReduceSum(e, one, keepdims=0)  # [N]
+    # Stage 1: the best min(256, V) tokens, sorted; enough whenever the kept set lies inside them.
+    # (A TopK whose result is not used runs on one row: any row will do, its output is discarded.)
+    needed = op.Greater(any_need, zero)  # [1]
+    k1 = op.Where(needed, op.Min(vocab, op.Constant(value_ints=[SORTED_PREFIX])), one)
+    s1 = _sorted_prefix(op, z, k1, needed)  # [N, k1]
+    k_off = op.Equal(k_eff, vocab)  # [N] no top-k cut
+    thr1, fits = _threshold(op, s1, top, total, k_eff, k_off, top_p)
+    # Stage 2 (only when some row's kept set reaches past the prefix): the whole vocabulary, sorted.
+    all_fit = op.ReduceMin(op.Cast(op.Or(fits, op.Not(need)), to=_INT64), keepdims=1)
+    short = op.Greater(all_fit, zero)  # [1]
+    s2 = _sorted_prefix(op, z, op.Where(short, one, vocab), op.Not(short))  # [N, 1] or [N, V]
+    thr2, _ = _threshold(op, s2, top, total, k_eff, k_off, top_p)
+    neg_inf = op.CastLike(op.Constant(value_float=float("-inf")), z)
+    thr = op.Where(need, op.Where(fits, thr1, thr2), neg_inf)  # [N]
+    w = op.Mul(e, op.CastLike(op.GreaterOrEqual(z, op.Unsqueeze(thr, one)), e))  # [N, V] (Mul beats Where)
+    # Inverse CDF, two levels (see BLOCK).
+    pad = op.Mod(op.Sub(op.Constant(value_ints=[BLOCK]), op.Mod(vocab, op.Constant(value_ints=[BLOCK]))),
+                 op.Constant(value_ints=[BLOCK]))  # fmt: skip
+    w = op.Pad(w, op.Concat(zero, zero, zero, pad, axis=0))  # [N, nb * BLOCK]
+    blocks = op.Div(op.Add(vocab, pad), op.Constant(value_ints=[BLOCK]))  # [1] nb
+    w3 = op.Reshape(w, op.Concat(op.Shape(w, start=0, end=1), blocks, op.Constant(value_ints=[BLOCK]), axis=0),
+                    allowzero=1)  # [N, nb, BLOCK]  # fmt: skip
+    wb = op.ReduceSum(w3, two, keepdims=0)  # [N, nb]
+    cb = op.CumSum(wb, op.Constant(value_int=1))  # [N, nb]
+    target = op.Mul(
+        op.Unsqueeze(u, one), op.Slice(cb, op.Constant(value_ints=[-1]), op.Constant(value_ints=[2**62]), one)
+    )
+    blk = op.Min(_count_le(op, cb, target), _last_positive(op, wb))  # [N]
+    blk_ = op.Unsqueeze(blk, one)  # [N, 1]
+    within = op.Squeeze(op.GatherElements(w3, op.Expand(op.Unsqueeze(blk_, two),
+                        op.Concat(op.Shape(blk_), op.Constant(value_ints=[BLOCK]), axis=0)), axis=1), one)  # fmt: skip
+    start = op.Sub(op.GatherElements(cb, blk_, axis=1), op.GatherElements(wb, blk_, axis=1))  # [N, 1]
+    cw = op.Add(op.CumSum(within, op.Constant(value_int=1)), start)  # [N, BLOCK]
+    pos = op.Min(_count_le(op, cw, target), _last_positive(op, within))
+    return op.Add(op.Mul(blk, op.Constant(value_int=BLOCK)), pos)
+
+
+def _sorted_prefix(op, z, k, used):  # type: ignore[no-untyped-def]
+    """The k largest entries of each row of z [N, V], sorted; computed on one row (and repeated)
+    when `used` [1] is false, since the caller then discards them."""
+    n = op.Shape(z, start=0, end=1)  # [1]
+    rows = op.Where(used, n, op.Min(n, op.Constant(value_ints=[1])))
+    s, _ = op.TopK(op.Slice(z, op.Constant(value_ints=[0]), rows, op.Constant(value_ints=[0])), k, axis=-1)
+    return op.Expand(s, op.Concat(n, k, axis=0))
+
+
+def _count_le(op, c, target):  # type: ignore[no-untyped-def]
+    """[N]: how many entries of c [N, M] are <= target [N, 1] (c ascending: the first index past it)."""
+    return op.ReduceSum(op.Cast(op.LessOrEqual(c, target), to=_INT64), op.Constant(value_ints=[1]), keepdims=0)
+
+
+def _last_positive(op, w):  # type: ignore[no-untyped-def]
+    """[N]: the last index with w > 0 (guards the inverse CDF against rounding past the support)."""
+    idx = op.Range(op.Constant(value_int=0), op.Squeeze(op.Shape(w, start=1, end=2), op.Constant(value_ints=[0])),
+                   op.Constant(value_int=1))  # fmt: skip
+    pos = op.Where(op.Greater(w, op.CastLike(op.Constant(value_float=0.0), w)), op.Unsqueeze(idx, op.Constant(value_ints=[0])),
+                   op.Constant(value_int=0))  # fmt: skip
+    return op.ReduceMax(pos, op.Constant(value_ints=[1]), keepdims=0)
+
+
+def _threshold(op, s, top, total, k_eff, k_off, top_p):  # type: ignore[no-untyped-def]
+    """From the best k tokens' scaled logits s [N, k] (sorted), the smallest kept logit and whether
+    the list was long enough to know it. Kept: the top-k, then tokens whose better tokens' mass
+    (within the top-k) is below top_p. The list suffices when it holds the whole top-k, or when
+    there is no top-k cut and the top-p boundary lies inside it."""
+    one = op.Constant(value_ints=[1])
+    width = op.Shape(s, start=1, end=2)  # [1] k
+    j = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(width, op.Constant(value_ints=[0])),
+                              op.Constant(value_int=1)), op.Constant(value_ints=[0]))  # [1, k]  # fmt: skip
+    in_k = op.Less(j, op.Unsqueeze(k_eff, one))  # [N, k]
+    k_fits = op.LessOrEqual(k_eff, width)  # [N] the top-k cut lies inside the list
+    es = op.Where(in_k, op.Exp(op.Sub(s, top)), op.CastLike(op.Constant(value_float=0.0), s))  # [N, k]
+    mass = op.Where(k_fits, op.ReduceSum(es, one, keepdims=0), total)  # [N] the top-k's mass
+    before = op.Div(op.Sub(op.CumSum(es, op.Constant(value_int=1)), es), op.Unsqueeze(mass, one))  # [N, k]
+    keep = op.And(in_k, op.Less(before, op.Unsqueeze(top_p, one)))  # [N, k]
+    n_keep = op.ReduceSum(op.Cast(keep, to=_INT64), one, keepdims=0)  # [N] >= 1
+    thr = op.Squeeze(op.GatherElements(s, op.Unsqueeze(op.Sub(n_keep, op.Constant(value_int=1)), one), axis=1), one)
+    inside = op.Less(n_keep, op.Squeeze(width, op.Constant(value_ints=[0])))  # [N] a token was cut by top-p
+    fits = op.Or(k_fits, op.And(k_off, inside))  # [N]
+    return thr, fits
+
+
+ONNX_TRANSLATIONS: dict[Any, Any] = {torch.ops.specgraph.sample.default: _sample_onnx}
+
+
+def example_inputs(batch: int, max_context: int) -> list[torch.Tensor]:
+    """Tracing values for the four sampling inputs."""
+    return [torch.zeros(batch), torch.zeros(batch, dtype=_I64), torch.ones(batch), torch.zeros(batch, max_context + 1)]
+
+
+def position_uniforms(uniforms: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """u for drawing the token at each of `positions` [B, R] from the [B, S+1] stream."""
+    return uniforms.gather(1, positions.clamp(max=uniforms.shape[1] - 1))
