@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from specgraph.errors import InputError, ModelLoadError
 from specgraph.runtime import Engine, GenerationResult
+from specgraph.sampling import SamplingParams
 
 SHIPPED_SETS = ("chat", "creative", "repeat")
 _DATA = Path(__file__).with_name("data")
@@ -187,12 +188,22 @@ class _TokenClock:
 
 
 def _hf_generate(
-    hf_model: Any, prompts_ids: list[list[int]], max_new_tokens: int, threads: int, progress: bool = False
+    hf_model: Any,
+    prompts_ids: list[list[int]],
+    max_new_tokens: int,
+    threads: int,
+    progress: bool = False,
+    params: SamplingParams | None = None,
 ) -> list[tuple[float, list[int]]]:
-    """(decode tokens/s, new token ids) of greedy HF `generate` for each prompt."""
+    """(decode tokens/s, new token ids) of HF `generate` for each prompt (greedy by default)."""
     eos = getattr(hf_model.generation_config, "eos_token_id", None)
     pad = eos[0] if isinstance(eos, list) and eos else eos
-    options = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad, use_cache=True)
+    options: dict[str, Any] = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad,
+                                   use_cache=True)  # fmt: skip
+    if params is not None and not params.greedy:
+        torch.manual_seed(params.seed or 0)
+        options.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or None,
+                       top_p=params.top_p if params.top_p < 1 else None)  # fmt: skip
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     results = []
@@ -285,9 +296,13 @@ def run_bench(
     reference: str | None = None,
     stop_at_eos: bool = True,
     bandwidth_mb: int = 512,
+    sampling: SamplingParams | None = None,
 ) -> dict[str, Any]:
-    """Generate greedily for every prompt of `prompts` (a file or set name, see `read_prompts`)
-    with the bundle on `threads` threads and return a JSON-ready report.
+    """Generate for every prompt of `prompts` (a file or set name, see `read_prompts`) with the
+    bundle on `threads` threads and return a JSON-ready report. Greedy unless `sampling` says
+    otherwise; sampled prompt i uses seed `sampling.seed + i` (seed 0 when none is given), in the
+    bundle and in the reference alike, so a lossless engine still matches the reference token
+    for token.
 
     With `baseline` and a `none` bundle it also measures the yardsticks: HF `generate` on the
     same prompts, read bandwidth and the floor it implies, the verify-cost curve and context
@@ -298,6 +313,9 @@ def run_bench(
         raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if threads < 1:
         raise InputError(f"--threads must be at least 1, got {threads}")
+    params = (sampling or SamplingParams()).check()
+    if not params.greedy and params.seed is None:
+        params = SamplingParams(params.temperature, params.top_k, params.top_p, 0)
     engine = Engine(bundle, threads=threads)
     ref = Engine(reference, threads=threads) if reference is not None else None
     if ref is not None and ref.manifest["vocab_size"] != engine.manifest["vocab_size"]:
@@ -308,7 +326,7 @@ def run_bench(
     if not runnable:
         raise InputError(f"no prompt of {prompts} is shorter than the maximum context ({room} tokens)")
 
-    runs, ref_runs, wall_s = _generate_all(engine, ref, runnable, max_new_tokens, stop_at_eos, progress)
+    runs, ref_runs, wall_s = _generate_all(engine, ref, runnable, max_new_tokens, stop_at_eos, progress, params)
     result: dict[str, Any] = {
         "bundle": str(engine.bundle),
         "method": engine.method,
@@ -320,6 +338,12 @@ def run_bench(
             "chat": chat,
             "stop_at_eos": stop_at_eos,
             "max_context": engine.max_context,
+            "sampling": {
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+                "seed": params.seed,
+            },  # fmt: skip
         },
         "environment": _environment(),
         "skipped_prompts": [i for i, ids in enumerate(all_ids) if not 0 < len(ids) < room],
@@ -327,7 +351,7 @@ def run_bench(
         "aggregate": _aggregate(runs, wall_s, _draft_depth(engine)),
     }
     if baseline and engine.method == "none":
-        result["baseline"] = _baseline(engine, runnable, runs, max_new_tokens, threads, progress, bandwidth_mb)
+        result["baseline"] = _baseline(engine, runnable, runs, max_new_tokens, threads, progress, bandwidth_mb, params)
     if ref is not None:
         result["reference"] = _compare(ref, runnable, runs, ref_runs, result["per_prompt"])
     return result
@@ -340,22 +364,28 @@ def _generate_all(
     max_new_tokens: int,
     stop_at_eos: bool,
     progress: bool,
+    params: SamplingParams,
 ) -> tuple[list[GenerationResult], list[GenerationResult], float]:
     """Every prompt through the engine (and the reference right after it, so both see the same
     machine state); one short warm-up each first. Returns the runs and the engine's wall time."""
+
+    def options(index: int) -> dict[str, Any]:
+        seed = None if params.seed is None else params.seed + index
+        return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": seed}
+
     for e in (engine, ref):
         if e is not None:
-            e.generate(runnable[0][1], max_new_tokens=_WARMUP_TOKENS, stop_at_eos=False)
+            e.generate(runnable[0][1], max_new_tokens=_WARMUP_TOKENS, stop_at_eos=False, **options(0))
     runs: list[GenerationResult] = []
     ref_runs: list[GenerationResult] = []
     wall_s = 0.0
     bar = tqdm(runnable, desc=f"bench {engine.method}", unit="prompt", file=sys.stderr, disable=not progress)
-    for _, ids in bar:
+    for index, ids in bar:
         start = time.perf_counter()
-        runs.append(engine.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos))
+        runs.append(engine.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options(index)))
         wall_s += time.perf_counter() - start
         if ref is not None:
-            ref_runs.append(ref.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos))
+            ref_runs.append(ref.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options(index)))
         bar.set_postfix(tok_s=f"{runs[-1].tokens_per_s:.1f}")
     return runs, ref_runs, wall_s
 
@@ -444,10 +474,11 @@ def _baseline(
     threads: int,
     progress: bool,
     bandwidth_mb: int,
+    params: SamplingParams,
 ) -> dict[str, Any]:
     """The yardsticks for a plain (`none`) engine: HF generate, the bandwidth floor, c(N), context scaling."""
     engine_tps = statistics.median(r.tokens_per_s for r in runs)
-    out: dict[str, Any] = {"hf": _hf_baseline(engine, runnable, runs, max_new_tokens, threads, progress)}
+    out: dict[str, Any] = {"hf": _hf_baseline(engine, runnable, runs, max_new_tokens, threads, progress, params)}
     hf_tps = out["hf"].get("median_tokens_per_s")
     out["engine_vs_hf"] = round(engine_tps / hf_tps, 3) if hf_tps else None
     _say(progress, f"measuring read bandwidth ({bandwidth_mb} MiB, {threads} threads)")
@@ -473,8 +504,11 @@ def _hf_baseline(
     max_new_tokens: int,
     threads: int,
     progress: bool,
+    params: SamplingParams,
 ) -> dict[str, Any]:
     """HF generate's decode rate on the same prompts, or {"error": why} if the source cannot run.
+    Sampled runs use HF's own sampler with the same settings (its random stream differs, so
+    outputs are not compared).
 
     Also counts prompts whose engine output HF reproduces (up to the engine's EOS, which HF is
     kept from emitting so that every run makes `max_new_tokens` tokens): a sanity check, since
@@ -483,13 +517,15 @@ def _hf_baseline(
     try:
         _say(progress, f"loading {source} for the Hugging Face baseline")
         model = _load_hf_model(source)
-        hf = _hf_generate(model, [ids for _, ids in runnable], max_new_tokens, threads, progress)
+        hf = _hf_generate(model, [ids for _, ids in runnable], max_new_tokens, threads, progress, params)
     except Exception as exc:  # the baseline is optional: loaders and transformers raise many kinds
         return {"error": f"HF baseline unavailable for {source}: {type(exc).__name__}: {exc}"}
-    matching = 0
-    for run, (_, hf_new) in zip(runs, hf, strict=True):
-        mine = run.output_ids[:-1] if run.stop_reason == "eos" else run.output_ids
-        matching += hf_new[: len(mine)] == mine
+    matching = None
+    if params.greedy:
+        matching = 0
+        for run, (_, hf_new) in zip(runs, hf, strict=True):
+            mine = run.output_ids[:-1] if run.stop_reason == "eos" else run.output_ids
+            matching += hf_new[: len(mine)] == mine
     tps = [round(t, 3) for t, _ in hf]
     return {
         "source": str(source),
@@ -544,8 +580,11 @@ def format_report(result: dict[str, Any]) -> str:
     """A compact plain-text table of what `run_bench` returned (also after a JSON round trip)."""
     s = result["settings"]
     agg = result["aggregate"]
+    sampled = s.get("sampling") or {}
+    how = (f"  |  sampling T={sampled['temperature']} top-k {sampled['top_k']} top-p {sampled['top_p']} "
+           f"seed {sampled['seed']}" if sampled.get("temperature") else "  |  greedy")  # fmt: skip
     lines = [
-        f"bundle {result['bundle']}  method {result['method']}  model {result['model']}",
+        f"bundle {result['bundle']}  method {result['method']}  model {result['model']}{how}",
         f"prompts {result['prompts']}: {agg['prompts']} run, {len(result['skipped_prompts'])} skipped (too long)"
         f"  |  {s['threads']} threads, max {s['max_new_tokens']} new tokens, chat {'on' if s['chat'] else 'off'}",
         "",
@@ -588,8 +627,9 @@ def _format_baseline(base: dict[str, Any]) -> list[str]:
     else:
         hf_line = (
             f"HF generate median {hf['median_tokens_per_s']:.1f} tok/s; engine {_num(base['engine_vs_hf'], '.2f')}x"
-            f"  (same greedy output on {hf['matching_outputs']}/{hf['compared']} prompts)"
-        )
+            + (f"  (same greedy output on {hf['matching_outputs']}/{hf['compared']} prompts)"
+               if hf["matching_outputs"] is not None else "  (sampled: HF's random stream differs)")
+        )  # fmt: skip
     lines = [
         hf_line,
         f"read bandwidth {base['bandwidth_gb_s']:.1f} GB/s over {base['weight_bytes'] / 1e6:.1f} MB of weights:"

@@ -46,6 +46,25 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (the default) is greedy; above 0 samples, with the same law as plain sampling",
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (0 = off)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set of tokens holding this much probability (1 = off)",
+    )
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed for the engine's uniforms: the same seed gives the same text, with any method "
+                        "(default: a fresh seed, reported in --json output)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="specgraph", description="Compile language models into lossless speculative-decoding engines."
@@ -68,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         choices=["none", "lookup", "medusa"],
         help="none: plain decoding (the baseline); lookup: prompt-lookup drafting; medusa: Medusa heads and a "
-        "verified candidate tree (all greedy and lossless)",
+        "verified candidate tree (all lossless: greedy, or sampled with the target's exact law)",
     )
     c.add_argument(
         "--max-context", type=_positive, default=1024, help="KV-cache slots: prompt plus output tokens (default 1024)"
@@ -96,11 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
         "a Medusa-format JSON file (list of paths), or 'auto' (best expected tokens/s from the heads' "
         "measured acceptance and this engine's measured verify cost)",
     )
+    c.add_argument(
+        "--no-sampling",
+        action="store_true",
+        help="leave out the sampling inputs (temperature, top-k, top-p, uniforms): a greedy-only engine. Sampling "
+        "costs a greedy call nothing measurable, so this is rarely needed",
+    )
     c.add_argument("--emit-logits", action="store_true", help="also output logits (for testing; slower)")
     c.add_argument("--json", action="store_true", help="print the compile report as JSON")
 
     g = sub.add_parser(
-        "generate", help="generate text from a bundle", description="Greedy generation, streamed as it is produced."
+        "generate",
+        help="generate text from a bundle",
+        description="Generate text, streamed as it is produced: greedy by default, or sampled with --temperature "
+        "(lossless: the text has exactly the law of plain sampling from the model).",
     )
     g.add_argument("bundle", type=Path, help="bundle directory from `specgraph compile`")
     src = g.add_mutually_exclusive_group(required=True)
@@ -114,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--no-verify", action="store_true", help="skip the bundle's sha256 checks (faster load)")
+    _add_sampling_flags(g)
 
     b = sub.add_parser(
         "bench",
@@ -146,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a plot of acceptance by depth and "
         "speed-up by prompt set (give several sets: --prompts humaneval,chat,creative)",
     )
+    _add_sampling_flags(b)
 
     t = sub.add_parser(
         "train",
@@ -196,6 +226,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         heads=args.heads,
         tree=args.tree,
         acceptance=args.acceptance,
+        sampling=not args.no_sampling,
     )
     cfg.check()
     stages = ["load", "capture", "anatomy", *(p.__name__ for p in PIPELINES[cfg.method]), "export onnx"]
@@ -264,6 +295,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         stop_at_eos=not args.ignore_eos,
         on_tokens=stream.push if stream else None,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
     )
     if engine.manifest.get("tokenizer"):
         result.text = engine.tokenizer.decode(result.output_ids, skip_special_tokens=True)
@@ -274,7 +309,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             stream.finish()
         sys.stderr.write(
             f"[{len(result.output_ids)} tokens, {result.tokens_per_s:.1f} tokens/s, "
-            f"{result.mean_accepted:.2f} tokens/step, {result.steps} steps, stop: {result.stop_reason}]\n"
+            f"{result.mean_accepted:.2f} tokens/step, {result.steps} steps, stop: {result.stop_reason}"
+            + (f", seed {result.sampling.seed}]\n" if result.sampling.seed is not None else "]\n")
         )
     return 0
 
@@ -305,6 +341,7 @@ class _Streamer:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specgraph.bench import format_report, run_bench
+    from specgraph.sampling import SamplingParams
 
     results = {}
     for prompts in [p for p in args.prompts.split(",") if p]:
@@ -317,6 +354,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             baseline=not args.no_baseline,
             chat=not args.no_chat,
             reference=str(args.reference) if args.reference else None,
+            sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
         )
         print(format_report(results[prompts]))
     if args.json:

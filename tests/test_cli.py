@@ -106,3 +106,28 @@ def test_bad_values(bad, tmp_path):
     _one_line_error(
         _run("generate", str(tmp_path), *(["--prompt-ids", "1"] if "--prompt-ids" not in bad else []), *bad, ok=False)
     )
+
+
+def test_generate_samples_with_a_seed(tiny_bundle):
+    bundle = str(tiny_bundle("llama", "lookup"))
+    args = ["generate", bundle, "--prompt-ids", "5,6,7,8,5,6,7", "--max-new-tokens", "12", "--ignore-eos", "--json"]
+    first = json.loads(_run(*args, "--temperature", "0.8", "--top-p", "0.9", "--seed", "4").stdout)
+    again = json.loads(_run(*args, "--temperature", "0.8", "--top-p", "0.9", "--seed", "4").stdout)
+    assert first["output_ids"] == again["output_ids"] and first["seed"] == 4 and first["temperature"] == 0.8
+    fresh = json.loads(_run(*args, "--temperature", "0.8").stdout)
+    assert isinstance(fresh["seed"], int)  # a fresh seed is reported, so the run can be repeated
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--temperature", "-1"], "--temperature must be a number >= 0"),
+        (["--temperature", "0.7", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--temperature", "0.7", "--top-p", "1.2"], "--top-p must be in (0, 1]"),
+        (["--temperature", "0.7", "--top-k", "-3"], "--top-k must be an integer >= 0"),
+        (["--temperature", "hot"], "invalid float value"),
+    ],
+)
+def test_bad_sampling_flags(flags, needle, tiny_bundle):
+    proc = _run("generate", str(tiny_bundle("llama", "none")), "--prompt-ids", "1,2", *flags, ok=False)
+    _one_line_error(proc, needle)

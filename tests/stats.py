@@ -1,0 +1,70 @@
+"""The statistics behind tests/test_sampling.py (and scripts/sampling_stats.py): the exact law
+of the first three tokens of direct sampling, draws from an engine, and a chi-square test."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy import stats
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from specgraph.runtime import Engine
+from specgraph.sampling import SamplingParams
+
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so lookup drafts often (and often wrongly)
+ROWS, BATCHES = 64, 256  # 16,384 draws per check
+
+
+def hf_law(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """p~ with Hugging Face's warpers, in the order `generate` applies them, in float64."""
+    scores = logits.double()
+    warpers = [TemperatureLogitsWarper(temperature)]
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    for warper in warpers:
+        scores = warper(None, scores)
+    return torch.softmax(scores, dim=-1).numpy()
+
+
+def exact_joint(model, prompt: list[int], setting: tuple[float, int, float]) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """P(x1, x2, x3) of direct sampling from `model`, [V, V, V]."""
+    v = model.config.vocab_size
+    with torch.no_grad():
+        last = lambda seqs: model(torch.tensor(seqs)).logits[:, -1]  # noqa: E731
+        p1 = hf_law(last([prompt]), *setting)[0]  # [V]
+        p2 = hf_law(last([prompt + [a] for a in range(v)]), *setting)  # [V, V]
+        p3 = hf_law(last([prompt + [a, b] for a in range(v) for b in range(v)]), *setting).reshape(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def engine_counts(engine: Engine, setting: tuple[float, int, float], seed: int, v: int) -> np.ndarray:
+    counts = np.zeros(v**3, np.int64)
+    for i in range(BATCHES):
+        params = SamplingParams(*setting, seed=seed * 100_000 + i)
+        for result in engine.generate_batch([PROMPT] * ROWS, 3, stop_at_eos=False, params=params):
+            x1, x2, x3 = result.output_ids
+            counts[(x1 * v + x2) * v + x3] += 1
+    return counts
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
+    """(p-value, total variation). Cells expecting fewer than 5 draws are pooled; any draw of a
+    sequence the law gives probability 0 (a token top-k/top-p removed) is a failure by itself."""
+    probs = probs.reshape(-1)
+    assert counts[probs == 0].sum() == 0, "drew a sequence that has probability 0 under the target"
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs, exp = list(counts[big]), list(expected[big])
+    pooled = ~big & (probs > 0)
+    if expected[pooled].sum() >= 5:
+        obs.append(counts[pooled].sum())
+        exp.append(expected[pooled].sum())
+    elif pooled.any():  # too little to stand alone: join the smallest cell
+        i = int(np.argmin(exp))
+        obs[i] += counts[pooled].sum()
+        exp[i] += expected[pooled].sum()
+    obs_a, exp_a = np.asarray(obs, np.float64), np.asarray(exp, np.float64)
+    statistic = float(((obs_a - exp_a) ** 2 / exp_a).sum())
+    p_value = float(stats.chi2.sf(statistic, len(obs_a) - 1))
+    return p_value, 0.5 * float(np.abs(counts / n - probs).sum())

@@ -1,0 +1,211 @@
+"""Sampling: the op against a float64 reference, seeded runs, and the statistical proof.
+
+The statistical tests draw the first three generated tokens many times from each engine of a
+tiny 8-token-vocabulary model and compare their joint law (512 cells) with the exact law of
+direct sampling from the target: every conditional computed from the Hugging Face model with
+Hugging Face's own warpers (temperature, top-k, top-p). A chi-square test rejects at
+ALPHA = 1e-4, so each check falsely alarms with probability 1e-4 on a fresh seed (the seeds
+here are fixed, so a run is deterministic); the same test must reject engines compiled with a
+deliberately broken acceptance rule. docs/benchmarks.md records the p-values and power.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import specgraph.step
+import specgraph.step_tree
+from specgraph.compiler import CompileConfig, compile_model
+from specgraph.errors import InputError
+from specgraph.medusa import MedusaHeads, save_heads
+from specgraph.runtime import Engine
+from specgraph.sampling import ONNX_TRANSLATIONS, filter_logits, sample
+from tests.models.tiny import build
+from tests.stats import PROMPT, chi_square, engine_counts, exact_joint, hf_law
+
+TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]  # siblings at depths 1 and 2
+SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.7)]  # temperature, top_k, top_p
+ALPHA = 1e-4
+
+
+# --- engines of the 8-token model ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v8(tiny_folder, tmp_path_factory):
+    """method -> compiled bundle of the 8-token model, plus the model itself."""
+    folder = tiny_folder("llama-v8")
+    root = tmp_path_factory.mktemp("v8")
+    torch.manual_seed(1)
+    heads = MedusaHeads(64, 4)
+    with torch.no_grad():
+        heads.weight.normal_(0, 0.05)
+        heads.bias.normal_(0, 0.05)
+    save_heads(root / "heads.safetensors", heads, {"vocab_size": 8, "model": "tiny"})
+    (root / "tree.json").write_text(json.dumps({"paths": TREE}))
+    bundles = {}
+
+    def get(method: str) -> Engine:
+        if method not in bundles:
+            out = root / method
+            cfg = CompileConfig(model=str(folder), output=out, method=method.split("-")[0], max_context=64,
+                                num_draft=3, heads=str(root / "heads.safetensors"), tree=str(root / "tree.json"))  # fmt: skip
+            compile_model(cfg)
+            bundles[method] = Engine(out, threads=2)
+        return bundles[method]
+
+    return get, build("llama-v8")
+
+
+@pytest.mark.parametrize("method", ["none", "lookup", "medusa"])
+def test_joint_law_of_three_tokens_matches_direct_sampling(method, v8):
+    get, model = v8
+    engine = get(method)
+    for i, setting in enumerate(SETTINGS):
+        law = exact_joint(model, PROMPT, setting)
+        p_value, tv = chi_square(engine_counts(engine, setting, seed=7 + i, v=8), law)
+        assert p_value > ALPHA, f"{method} {setting}: chi-square p = {p_value:.2e}, TV = {tv:.4f}"
+
+
+def _residual_forgotten(tokens, logits, n_fixed, params, u):  # type: ignore[no-untyped-def]
+    """BROKEN on purpose: accept the next draft d when u < p(d) (right for a one-hot draft), but
+    on rejection draw from p itself instead of the residual, so a rejected draft can come back."""
+    x = torch.ops.specgraph.sample(logits, n_fixed - 1, *params, u)
+    p = torch.softmax(logits / params[0].clamp(min=1e-6)[:, None, None], dim=-1)  # [B, T, V]
+    draft = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # the draft after each position
+    return torch.where(u < p.gather(2, draft[:, :, None])[..., 0], draft, x)
+
+
+def _siblings_as_if_alone(row, children, tokens, params, u):  # type: ignore[no-untyped-def]
+    """BROKEN on purpose ('q treated as 1' for every sibling): accept the first child c with
+    u < p(c), each judged against the full p with the same uniform, with no residual between
+    siblings; otherwise draw from p."""
+    x = torch.ops.specgraph.sample(row, torch.zeros_like(u[:, 0], dtype=torch.int64), *params[:3], u)  # [B, 1]
+    p = torch.softmax(row[:, 0] / params[0].clamp(min=1e-6)[:, None], dim=-1)  # [B, V]
+    hit = children & (u < p.gather(1, tokens))  # [B, T]
+    first = hit.to(torch.int64).argmax(dim=-1, keepdim=True)
+    return torch.where(hit.to(torch.int64).amax(dim=-1, keepdim=True) > 0, tokens.gather(1, first), x)
+
+
+@pytest.mark.parametrize(
+    ("method", "module", "name", "broken"),
+    [
+        ("lookup", specgraph.step, "_chain_targets", _residual_forgotten),
+        ("medusa", specgraph.step_tree, "_node_draw", _siblings_as_if_alone),
+    ],
+)
+def test_the_same_test_rejects_a_broken_rule(method, module, name, broken, v8, monkeypatch):
+    get, model = v8
+    monkeypatch.setattr(module, name, broken)
+    engine = get(f"{method}-broken")
+    setting = SETTINGS[0]
+    p_value, tv = chi_square(engine_counts(engine, setting, seed=3, v=8), exact_joint(model, PROMPT, setting))
+    assert p_value < ALPHA, f"a broken {method} rule passed: p = {p_value:.2e}, TV = {tv:.4f}"
+
+
+# --- the op, seeded runs, bad input --------------------------------------------------------------
+
+
+class _SampleOp(torch.nn.Module):
+    def forward(self, logits, first, temperature, top_k, top_p, u):  # type: ignore[no-untyped-def]
+        return torch.ops.specgraph.sample(logits, first, temperature, top_k, top_p, u)
+
+
+@pytest.fixture(scope="module")
+def sample_session(tmp_path_factory):
+    """The op alone, exported to ONNX with dynamic batch, positions and vocabulary."""
+    path = tmp_path_factory.mktemp("op") / "sample.onnx"
+    batch, tokens = torch.export.Dim("b", min=1, max=64), torch.export.Dim("t", min=1, max=64)
+    vocab = torch.export.Dim("v", min=2, max=200_000)
+    args = (torch.randn(2, 5, 300), torch.tensor([1, 2]), torch.ones(2), torch.zeros(2, dtype=torch.int64),
+            torch.ones(2), torch.rand(2, 5))  # fmt: skip
+    dyn = ({0: batch, 1: tokens, 2: vocab}, {0: batch}, {0: batch}, {0: batch}, {0: batch}, {0: batch, 1: tokens})
+    names = ["logits", "first", "temperature", "top_k", "top_p", "u"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(_SampleOp(), args, dynamo=True, opset_version=24, input_names=names,
+                                    output_names=["x"], dynamic_shapes=dyn, custom_translation_table=ONNX_TRANSLATIONS)  # fmt: skip
+    program.save(str(path))
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), names
+
+
+def test_sample_op_draws_the_reference_inverse_cdf(sample_session):
+    """ONNX and eager forms pick the token the float64 reference's inverse CDF picks (away from
+    a CDF boundary), for vocabularies above and below the 256-token sorted prefix and past it."""
+    session, names = sample_session
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(200):
+        b, t, v = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.choice([7, 300, 5000]))
+        logits = (rng.standard_normal((b, t, v)) * rng.uniform(0.5, 6)).astype(np.float32)
+        feeds = [logits, rng.integers(0, t, b), rng.choice([0, 0.5, 1, 2], b).astype(np.float32),
+                 rng.choice([0, 1, 3, 20, 400, 2000], b), rng.choice([1, 0.9, 0.5, 0.1, 0.999], b).astype(np.float32),
+                 rng.random((b, t), dtype=np.float32)]  # fmt: skip
+        onnx_x = session.run(None, dict(zip(names, feeds, strict=True)))[0]
+        eager_x = sample(*(torch.from_numpy(np.asarray(f)) for f in feeds)).numpy()
+        for i in range(b):
+            for j in range(t):
+                temp, first, k, p, u = feeds[2][i], feeds[1][i], feeds[3][i], feeds[4][i], feeds[5][i, j]
+                if temp == 0 or j < first:
+                    assert onnx_x[i, j] == eager_x[i, j] == logits[i, j].argmax()
+                    continue
+                cdf = np.cumsum(filter_logits(logits[i, j], temp, k, p))
+                want = int(np.searchsorted(cdf, u, side="right"))
+                if np.abs(cdf - u).min() < 1e-5:  # a draw this close to a boundary may round either way
+                    continue
+                assert onnx_x[i, j] == want and eager_x[i, j] == want, (v, temp, k, p)
+                checked += 1
+    assert checked > 400
+
+
+def test_reference_filter_matches_hugging_face_warpers():
+    rng = np.random.default_rng(1)
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.6, 5, 1.0), (1.4, 0, 0.75), (0.9, 40, 0.9), (2.0, 1, 0.5)]:
+        logits = rng.standard_normal((4, 100)) * 3
+        ours = filter_logits(logits, temperature, top_k, top_p)
+        np.testing.assert_allclose(ours, hf_law(torch.from_numpy(logits), temperature, top_k, top_p), atol=1e-12)
+
+
+def test_seeded_sampling_is_the_same_text_for_every_method(tiny_bundle):
+    """Uniforms belong to positions, so a speculative engine emits exactly the tokens `none`
+    emits with the same seed, and a seed reproduces a run."""
+    prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+    engines = [Engine(tiny_bundle("llama", m)) for m in ("none", "lookup")]
+    for temperature, top_k, top_p, seed in [(0.8, 0, 1.0, 1), (1.1, 20, 0.9, 2), (0.5, 0, 0.6, 3)]:
+        runs = [e.generate(prompt, 32, False, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                for e in engines]  # fmt: skip
+        assert runs[0].output_ids == runs[1].output_ids
+        again = engines[1].generate(prompt, 32, False, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        assert again.output_ids == runs[1].output_ids and again.sampling.seed == seed
+    seeds = {tuple(engines[0].generate(prompt, 32, False, temperature=0.8, seed=s).output_ids) for s in (7, 8, 9)}
+    assert len(seeds) == 3  # 32 tokens of a near-flat 256-token model: seeds that agree would be a bug
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.5}, "--temperature must be"),
+        ({"temperature": 0.7, "top_p": 0.0}, "--top-p must be in (0, 1]"),
+        ({"temperature": 0.7, "top_p": 1.5}, "--top-p must be in (0, 1]"),
+        ({"temperature": 0.7, "top_k": -1}, "--top-k must be"),
+    ],
+)
+def test_bad_sampling_values_are_one_line_errors(kwargs, message, tiny_bundle):
+    engine = Engine(tiny_bundle("llama", "none"))
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
+        engine.generate([1, 2, 3], 4, **kwargs)
+
+
+def test_a_greedy_only_bundle_refuses_to_sample(tiny_folder, tmp_path):
+    compile_model(CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / "b", max_context=64, sampling=False))
+    engine = Engine(tmp_path / "b")
+    assert not engine.samples and "temperature" not in [i.name for i in engine.session.get_inputs()]
+    assert engine.generate([1, 2, 3], 4, temperature=0).output_ids  # greedy still works
+    with pytest.raises(InputError, match="compiled without sampling"):
+        engine.generate([1, 2, 3], 4, temperature=0.7)
