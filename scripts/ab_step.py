@@ -1,22 +1,43 @@
 """Interleaved A/B of one engine call: median ms of a 1-token and an 8-token step for each bundle,
-three rounds, bundles alternating so a slow moment hits all of them.
+rounds in rotated order (the first engine of a round runs slower on this machine), so order and
+a slow moment hit every arm alike. A bundle may carry sampling
+settings after a colon: BUNDLE:TEMPERATURE[:TOP_K[:TOP_P]] (e.g. out/s-none:0.7::0.9).
 
     python scripts/ab_step.py out/smollm2-none out/smollm2-medusa
+    python scripts/ab_step.py out/smollm2-none out/s-none out/s-none:0.7 out/s-none:0.7:0:0.9
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 
 from specgraph.runtime import Engine
+from specgraph.sampling import SamplingParams
+
+
+def _arm(spec: str) -> tuple[Engine, SamplingParams]:
+    path, *rest = spec.split(":")
+    values = [*rest, "", "", ""][:3]
+    params = SamplingParams(float(values[0] or 0), int(values[1] or 0), float(values[2] or 1), seed=0)
+    return Engine(path, threads=2, verify=False), params
 
 
 def main() -> None:
-    engines = [Engine(path, threads=2, verify=False) for path in sys.argv[1:]]
-    for _ in range(3):
-        one = [round(e.time_call(1, 64, 15) * 1000, 1) for e in engines]
-        eight = [round(e.time_call(8, 64, 15) * 1000, 1) for e in engines]
-        print(f"c(1) ms {one}   c(8) ms {eight}")
+    arms = [_arm(spec) for spec in sys.argv[1:]]
+    print("arms:", sys.argv[1:])
+    times: dict[tuple[int, int], list[float]] = {}
+    rounds = 2 * len(arms)
+    for r in range(rounds):  # the order rotates every round: the first arm of a round runs slower here
+        for i in [(r + j) % len(arms) for j in range(len(arms))]:
+            engine, params = arms[i]
+            for n in (1, 8):
+                times.setdefault((i, n), []).append(engine.time_call(n, 64, 15, params) * 1000)
+    for n in (1, 8):
+        print(
+            f"c({n}) ms, median of {rounds} rotated rounds:",
+            [round(statistics.median(times[i, n]), 2) for i in range(len(arms))],
+        )
 
 
 if __name__ == "__main__":

@@ -271,12 +271,17 @@ class Engine:
             if on_tokens and new:
                 on_tokens(new)
 
-    def time_call(self, n_tokens: int, cache_len: int, repeats: int = 10) -> float:
+    def time_call(
+        self, n_tokens: int, cache_len: int, repeats: int = 10, params: SamplingParams | None = None
+    ) -> float:
         """Median seconds of one engine call that verifies `n_tokens` tokens at context
-        `cache_len` (the verify-cost curve c(N) is this over N). Uses a zeroed cache."""
+        `cache_len` (the verify-cost curve c(N) is this over N). Uses a zeroed cache; greedy
+        unless `params` ask to sample (they need a seed then)."""
         if cache_len + n_tokens > self.max_context:
             raise InputError(f"cannot time {n_tokens} tokens at context {cache_len}: max context is {self.max_context}")
-        state = self._new_state(1)
+        if params is not None and not params.greedy and not self.samples:
+            raise InputError(f"{self.bundle} was compiled without sampling")
+        state = self._new_state(1, params)
         io = self.session.io_binding()
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, int(self.manifest["vocab_size"]), (1, n_tokens), dtype=np.int64)

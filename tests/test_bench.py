@@ -26,6 +26,7 @@ from specgraph.bench import (
 )
 from specgraph.errors import InputError
 from specgraph.runtime import Engine
+from specgraph.sampling import SamplingParams
 
 PROMPT_IDS = [
     [5, 6, 7, 8, 5, 6, 7, 9, 5, 6],  # repeats: lookup drafts something useful
@@ -199,6 +200,23 @@ def test_run_bench_lookup_against_reference_is_lossless(tiny_bundle, ids_file):
     assert result["per_prompt"][0]["mean_accepted"] > 1.0  # the repetitive prompt gets drafts accepted
     assert all("speedup" in row and "reference_tokens_per_s" in row for row in result["per_prompt"])
     assert "identical outputs: yes" in format_report(result)
+
+
+def test_run_bench_samples_with_the_same_seeds_in_both_engines(tiny_bundle, ids_file):
+    result = run_bench(str(tiny_bundle("llama", "lookup")), str(ids_file), max_new_tokens=NEW_TOKENS, threads=1,
+                       progress=False, reference=str(tiny_bundle("llama", "none")), stop_at_eos=False,
+                       sampling=SamplingParams(temperature=0.8, top_k=40))  # fmt: skip
+    assert result["settings"]["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 1.0, "seed": 0}
+    assert result["reference"]["identical_outputs"] is True  # lossless sampling: same seed, same text
+    assert "sampling T=0.8 top-k 40" in format_report(result)
+
+
+def test_run_bench_none_sampled_against_hf_sampling(tiny_bundle, ids_file):
+    result = run_bench(str(tiny_bundle("llama", "none")), str(ids_file), max_new_tokens=NEW_TOKENS, threads=1,
+                       progress=False, bandwidth_mb=64, sampling=SamplingParams(temperature=1.0, seed=3))  # fmt: skip
+    hf = result["baseline"]["hf"]
+    assert hf["median_tokens_per_s"] > 0 and hf["matching_outputs"] is None  # HF's own random stream
+    assert "sampled: HF's random stream differs" in format_report(result)
 
 
 def test_run_bench_reports_a_mismatch(tiny_bundle, ids_file, monkeypatch):

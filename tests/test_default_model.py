@@ -72,3 +72,22 @@ def test_bundle_stores_weights_once(default):
     data = (bundle / "model.onnx.data").stat().st_size
     assert 530e6 < data < 545e6  # 134.5M fp32 parameters, the tied head not duplicated
     assert bundles["none"].manifest["eos_token_ids"] == [2]
+
+
+def test_sampled_text_is_the_same_for_every_method(default):
+    """Lossless sampling on the real model: with the same seed every speculative engine emits
+    exactly the tokens plain sampling (`none`) emits, at each setting."""
+    _, bundles = default
+    differs_from_greedy = 0
+    for i, text in enumerate(PROMPTS):
+        prompt = _chat_ids(bundles["none"], text)
+        greedy = bundles["none"].generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids
+        for temperature, top_k, top_p in [(0.7, 0, 1.0), (1.0, 50, 0.9)]:
+            runs = {
+                method: engine.generate(prompt, NEW_TOKENS, False, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        seed=100 + i).output_ids
+                for method, engine in bundles.items()
+            }  # fmt: skip
+            assert runs["lookup"] == runs["none"] and runs["medusa"] == runs["none"], (text, temperature)
+            differs_from_greedy += runs["none"] != greedy
+    assert differs_from_greedy >= 3  # the draws really sample
