@@ -547,11 +547,13 @@ def _compare(
     adds the reference's rate and the per-prompt speed-up to `rows`."""
     ratios = []
     first_mismatch = None
+    identical = 0
     for (index, _), run, ref_run, row in zip(runnable, runs, ref_runs, rows, strict=True):
         row["reference_tokens_per_s"] = round(ref_run.tokens_per_s, 3)
         row["speedup"] = round(run.tokens_per_s / ref_run.tokens_per_s, 3) if ref_run.tokens_per_s > 0 else None
         if row["speedup"] is not None:
             ratios.append(run.tokens_per_s / ref_run.tokens_per_s)
+        identical += run.output_ids == ref_run.output_ids
         if first_mismatch is None and run.output_ids != ref_run.output_ids:
             first_mismatch = index
     ref_median = statistics.median(r.tokens_per_s for r in ref_runs)
@@ -564,6 +566,7 @@ def _compare(
         "speedup_median_of_ratios": round(statistics.median(ratios), 3) if ratios else None,
         "speedup_ratio_of_medians": round(median / ref_median, 3) if ref_median > 0 else None,
         "identical_outputs": first_mismatch is None,
+        "identical_count": identical,
         "first_mismatch": first_mismatch,
     }
 
@@ -611,7 +614,16 @@ def format_report(result: dict[str, Any]) -> str:
         lines += _format_baseline(result["baseline"])
     if with_ref:
         ref = result["reference"]
-        same = "yes" if ref["identical_outputs"] else f"NO (first mismatch: prompt {ref['first_mismatch']})"
+        count = f"{ref.get('identical_count', '?')}/{agg['prompts']}"
+        same = (
+            f"yes, {count}"
+            if ref["identical_outputs"]
+            else f"NO, {count} (first mismatch: prompt {ref['first_mismatch']})"
+        )
+        if not ref["identical_outputs"] and sampled.get("temperature"):
+            same += (
+                " (sampled: a uniform within float rounding of a CDF boundary can flip a token; see docs/benchmarks.md)"
+            )
         lines += [
             f"reference {ref['bundle']} ({ref['method']}): median {ref['median_tokens_per_s']:.1f} tok/s",
             f"speed-up {_num(ref['speedup_median_of_ratios'], '.2f')}x (median of ratios), "

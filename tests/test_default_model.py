@@ -8,7 +8,8 @@ import torch
 
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.runtime import Engine
-from tests.greedy import assert_same_greedy, hf_greedy
+from specgraph.sampling import uniform_stream
+from tests.greedy import assert_same_greedy, assert_same_sampled, hf_greedy
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64
@@ -76,18 +77,22 @@ def test_bundle_stores_weights_once(default):
 
 def test_sampled_text_is_the_same_for_every_method(default):
     """Lossless sampling on the real model: with the same seed every speculative engine emits
-    exactly the tokens plain sampling (`none`) emits, at each setting."""
-    _, bundles = default
+    exactly the tokens plain sampling (`none`) emits, at each setting (a draw within float
+    rounding of a CDF boundary may flip, like an argmax tie; it is reported, not failed)."""
+    loaded, bundles = default
     differs_from_greedy = 0
     for i, text in enumerate(PROMPTS):
         prompt = _chat_ids(bundles["none"], text)
         greedy = bundles["none"].generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids
-        for temperature, top_k, top_p in [(0.7, 0, 1.0), (1.0, 50, 0.9)]:
+        for setting in [(0.7, 0, 1.0), (1.0, 50, 0.9)]:
+            temperature, top_k, top_p = setting
             runs = {
                 method: engine.generate(prompt, NEW_TOKENS, False, temperature=temperature, top_k=top_k, top_p=top_p,
                                         seed=100 + i).output_ids
                 for method, engine in bundles.items()
             }  # fmt: skip
-            assert runs["lookup"] == runs["none"] and runs["medusa"] == runs["none"], (text, temperature)
+            uniforms = uniform_stream(100 + i, 1, bundles["none"].max_context + 1)[0]
+            for method in ("lookup", "medusa"):
+                assert_same_sampled(loaded.hf_model, prompt, runs[method], runs["none"], setting, uniforms)
             differs_from_greedy += runs["none"] != greedy
     assert differs_from_greedy >= 3  # the draws really sample
