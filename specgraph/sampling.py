@@ -123,6 +123,8 @@ def sample(
 
 
 def _draw_rows_eager(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The eager twin of `_draw_rows`: a full sort stands in for its two TopK stages (the
+    thresholds are the same logits), then the same two-level inverse CDF."""
     n, v = z.shape
     k_eff = torch.where(top_k > 0, torch.clamp(top_k, max=v), torch.full_like(top_k, v))  # [N]
     s = torch.sort(z, dim=-1, descending=True).values  # [N, V]

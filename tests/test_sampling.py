@@ -19,6 +19,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+import specgraph.sampling
 import specgraph.step
 import specgraph.step_tree
 from specgraph.compiler import CompileConfig, compile_model
@@ -94,11 +95,18 @@ def _siblings_as_if_alone(row, children, tokens, params, u):  # type: ignore[no-
     return torch.where(hit.to(torch.int64).amax(dim=-1, keepdim=True) > 0, tokens.gather(1, first), x)
 
 
+def _uniform_reused(uniforms, positions):  # type: ignore[no-untyped-def]
+    """BROKEN on purpose: positions 2i and 2i+1 share a uniform. Each token's own law is still
+    exactly right; only the joint law is wrong, which a per-token test would never see."""
+    return uniforms.gather(1, (positions // 2 * 2).clamp(max=uniforms.shape[1] - 1))
+
+
 @pytest.mark.parametrize(
     ("method", "module", "name", "broken"),
     [
         ("lookup", specgraph.step, "_chain_targets", _residual_forgotten),
         ("medusa", specgraph.step_tree, "_node_draw", _siblings_as_if_alone),
+        ("none", specgraph.sampling, "position_uniforms", _uniform_reused),
     ],
 )
 def test_the_same_test_rejects_a_broken_rule(method, module, name, broken, v8, monkeypatch):
