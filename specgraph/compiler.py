@@ -206,7 +206,13 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
             "vocab_size": anatomy.vocab_size,
             "eos_token_ids": loaded.eos_token_ids,
             "tokenizer": tokenizer,
-            "lookup": {"num_draft": cfg.num_draft, "max_ngram": cfg.max_ngram} if cfg.method == "lookup" else None,
+            "lookup": {
+                "num_draft": cfg.num_draft,
+                "max_ngram": cfg.max_ngram,
+                "send": "tokens = next_tokens[:, :1 + max(n_draft)]",
+            }
+            if cfg.method == "lookup"
+            else None,  # fmt: skip
             "sampling": _sampling_section(cfg),
             "anatomy": anatomy.summary(),
             "passes": counts,

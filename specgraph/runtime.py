@@ -238,6 +238,10 @@ class Engine:
             feeds = {i: out[o] for o, i in self._bindings.items() if not o.startswith("present_")}
             if "history" in feeds:
                 state["history"] = feeds.pop("history")
+            if "n_draft" in out:  # lookup: send only the real drafts (a no-match step is a 1-token step)
+                keep = 1 + int(out["n_draft"].numpy().max())
+                if keep < out["next_tokens"].shape()[1]:
+                    feeds["tokens"] = np.ascontiguousarray(out["next_tokens"].numpy()[:, :keep])
             out = self._call(io, {**feeds, **self._constants, "n_fixed": ones}, state)
             before = [len(e) if stop is None else -1 for e, stop in zip(emitted, stops, strict=True)]
             self._emit(out, emitted, stops, max_new_tokens, stop_at_eos, stream)

@@ -14,6 +14,9 @@ Outputs:
   n_accepted  [B]     int64
   next_tokens [B, 1+K] int64 next round's tokens: the bonus token then K drafts
   cache_len_out [B]   int64
+  n_draft     [B]     int64 (lookup only) how many of the K drafts are real: the next call should
+                      send tokens = next_tokens[:, :1 + max(n_draft)] (the rest repeat a token
+                      for want of a match, and verifying them costs time for nothing)
   history_out (lookup only), present_key_i / present_value_i (bind them onto the inputs)
   logits      [B, T, V] (only when compiled with `emit_logits`, for tests)
 
@@ -62,7 +65,7 @@ class StepEngine(torch.nn.Module):
         outputs = ["accepted", "n_accepted", "next_tokens", "cache_len_out"]
         if self.method == "lookup":
             inputs.append("history")
-            outputs.append("history_out")
+            outputs += ["history_out", "n_draft"]
         if self.sampling:
             inputs += sampling.INPUTS
         inputs += kv_names("past", self.num_layers)
@@ -111,9 +114,9 @@ class StepEngine(torch.nn.Module):
         outputs = [accepted, n_accepted]
         if self.method == "lookup":
             history_out = _record(history, tokens, cache_len, bonus, cache_len_out)
-            drafts = _lookup_drafts(history_out, cache_len_out, self.num_draft, self.max_ngram)
+            drafts, n_draft = _lookup_drafts(history_out, cache_len_out, self.num_draft, self.max_ngram)
             next_tokens = torch.cat([bonus, drafts], dim=1)  # [B, 1+K]
-            outputs += [next_tokens, cache_len_out, history_out]
+            outputs += [next_tokens, cache_len_out, history_out, n_draft]
         else:
             outputs += [bonus, cache_len_out]
         outputs += present
@@ -168,12 +171,13 @@ def _record(history, tokens, cache_len, bonus, cache_len_out):  # type: ignore[n
     return torch.ops.specgraph.kv_write(hist, bonus, cache_len_out, -1)
 
 
-def _lookup_drafts(seq: torch.Tensor, last: torch.Tensor, k: int, max_ngram: int) -> torch.Tensor:
+def _lookup_drafts(seq: torch.Tensor, last: torch.Tensor, k: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt-lookup drafting: find the latest earlier occurrence of the longest n-gram
     (n = max_ngram..1) ending at position `last` and propose the k tokens that followed it.
 
-    seq [B, L] holds valid tokens at 0..last[b]; positions past `last` are ignored. Rows with no
-    match propose the bonus token repeated (it is verified like any draft, so output is unchanged).
+    seq [B, L] holds valid tokens at 0..last[b]; positions past `last` are ignored. Returns the
+    drafts [B, K] and how many are real [B]: a row with no match proposes the bonus token
+    repeated (0 real), and a match near the end repeats the last token past what followed it.
     """
     b, length = seq.shape
     start = torch.full_like(last, -1)  # [B] first draft's index in seq, -1 = none yet
@@ -191,4 +195,5 @@ def _lookup_drafts(seq: torch.Tensor, last: torch.Tensor, k: int, max_ngram: int
         start = torch.where(start < 0, found, start)
     idx = start[:, None] + torch.arange(k, dtype=_I64)[None, :]  # [B, K]
     idx = torch.where(start[:, None] < 0, last[:, None], torch.minimum(idx, last[:, None]))
-    return seq.gather(1, idx)
+    real = torch.where(start < 0, torch.zeros_like(start), torch.clamp(last - start + 1, max=k))  # [B]
+    return seq.gather(1, idx), real
