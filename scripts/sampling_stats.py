@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,12 +29,11 @@ import specgraph.sampling  # noqa: E402
 import specgraph.step  # noqa: E402
 import specgraph.step_tree  # noqa: E402
 import tests.stats  # noqa: E402
-from specgraph.compiler import CompileConfig, compile_model  # noqa: E402
-from specgraph.medusa import MedusaHeads, save_heads  # noqa: E402
+from specgraph.compiler import compile_model  # noqa: E402
 from specgraph.runtime import Engine  # noqa: E402
 from tests.models.tiny import build, save  # noqa: E402
-from tests.stats import PROMPT, chi_square, engine_counts, exact_joint  # noqa: E402
-from tests.test_sampling import SETTINGS, TREE, _residual_forgotten, _siblings_as_if_alone, _uniform_reused  # noqa: E402
+from tests.stats import PROMPT, chi_square, engine_counts, exact_joint, v8_config  # noqa: E402
+from tests.test_sampling import SETTINGS, _residual_forgotten, _siblings_as_if_alone, _uniform_reused  # noqa: E402
 
 BROKEN = {  # engine name -> (module, attribute, the broken stand-in the tests use)
     "lookup-broken": (specgraph.step, "_chain_targets", _residual_forgotten),
@@ -45,9 +43,7 @@ BROKEN = {  # engine name -> (module, attribute, the broken stand-in the tests u
 
 
 def _compile(root: Path, folder: Path, name: str) -> Engine:
-    method = name.split("-")[0]
-    cfg = CompileConfig(model=str(folder), output=root / name, method=method, max_context=64, num_draft=3,
-                        heads=str(root / "heads.safetensors"), tree=str(root / "tree.json"))  # fmt: skip
+    cfg = v8_config(folder, root, name)
     module, attribute, stand_in = BROKEN.get(name, (None, "", None))
     original = getattr(module, attribute) if module else None
     if module:
@@ -77,13 +73,6 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="sampling-stats-"))
     folder = save("llama-v8", root / "hf")
-    torch.manual_seed(1)
-    heads = MedusaHeads(64, 4)
-    with torch.no_grad():
-        heads.weight.normal_(0, 0.05)
-        heads.bias.normal_(0, 0.05)
-    save_heads(root / "heads.safetensors", heads, {"vocab_size": 8, "model": "tiny"})
-    (root / "tree.json").write_text(json.dumps({"paths": TREE}))
     model = build("llama-v8")
     laws = {s: exact_joint(model, PROMPT, s) for s in SETTINGS}
     report: dict = {"draws_per_check": tests.stats.ROWS * tests.stats.BATCHES, "settings": SETTINGS, "calibration": {},

@@ -314,8 +314,7 @@ def run_bench(
     if threads < 1:
         raise InputError(f"--threads must be at least 1, got {threads}")
     params = (sampling or SamplingParams()).check()
-    if not params.greedy and params.seed is None:
-        params = SamplingParams(params.temperature, params.top_k, params.top_p, 0)
+    params = params if params.greedy else params.with_seed(default=0)
     engine = Engine(bundle, threads=threads)
     ref = Engine(reference, threads=threads) if reference is not None else None
     if ref is not None and ref.manifest["vocab_size"] != engine.manifest["vocab_size"]:
@@ -338,12 +337,7 @@ def run_bench(
             "chat": chat,
             "stop_at_eos": stop_at_eos,
             "max_context": engine.max_context,
-            "sampling": {
-                "temperature": params.temperature,
-                "top_k": params.top_k,
-                "top_p": params.top_p,
-                "seed": params.seed,
-            },  # fmt: skip
+            "sampling": params.as_dict(),
         },
         "environment": _environment(),
         "skipped_prompts": [i for i, ids in enumerate(all_ids) if not 0 < len(ids) < room],
@@ -370,8 +364,7 @@ def _generate_all(
     machine state); one short warm-up each first. Returns the runs and the engine's wall time."""
 
     def options(index: int) -> dict[str, Any]:
-        seed = None if params.seed is None else params.seed + index
-        return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": seed}
+        return params.as_dict() | {"seed": None if params.seed is None else params.seed + index}
 
     for e in (engine, ref):
         if e is not None:

@@ -38,7 +38,7 @@ from specgraph.passes import (
     insert_tree_attention,
 )
 from specgraph.step import StepEngine
-from specgraph.step_tree import TOPK, TreeStepEngine
+from specgraph.step_tree import TreeStepEngine
 from specgraph.tree import Tree, build_tree, load_tree, named_tree
 
 logger = logging.getLogger("specgraph.compiler")
@@ -206,13 +206,7 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
             "vocab_size": anatomy.vocab_size,
             "eos_token_ids": loaded.eos_token_ids,
             "tokenizer": tokenizer,
-            "lookup": {
-                "num_draft": cfg.num_draft,
-                "max_ngram": cfg.max_ngram,
-                "send": "tokens = next_tokens[:, :1 + max(n_draft)]",
-            }
-            if cfg.method == "lookup"
-            else None,  # fmt: skip
+            "lookup": {"num_draft": cfg.num_draft, "max_ngram": cfg.max_ngram} if cfg.method == "lookup" else None,
             "sampling": _sampling_section(cfg),
             "anatomy": anatomy.summary(),
             "passes": counts,
@@ -223,6 +217,8 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
                 "inputs": describe_values(model_proto.graph.input),
                 "outputs": describe_values(model_proto.graph.output),
                 "bindings": _bindings(inputs, outputs),
+                # bind output[:, :1 + max(count)] only: columns past every row's count are padding
+                "trims": {"next_tokens": "n_draft"} if "n_draft" in outputs else {},
             },
         }
         if cfg.method == "medusa":
@@ -251,7 +247,7 @@ def _write_tree(bundle: Path, cfg: CompileConfig, engine: StepEngine | TreeStepE
         # auto: a one-node placeholder until the engine is measured (it fits any number of heads)
         tree = Tree.from_paths([(0,)]) if cfg.tree == "auto" else _named_or_file(cfg.tree)
     tree.validate_for(engine.num_heads, cfg.max_context)
-    keep = min(TOPK, int(engine.target.get_parameter(engine.lm_head_weight).shape[0]))
+    keep = engine.candidates_per_head
     if tree.max_topk > keep:
         raise InputError(f"tree uses rank {tree.max_topk - 1}, but the engine keeps the top {keep} tokens per head")
     (bundle / "tree.json").write_text(json.dumps({"paths": [list(p) for p in tree.paths]}) + "\n")

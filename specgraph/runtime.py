@@ -57,10 +57,7 @@ class GenerationResult:
             "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
             "stop_reason": self.stop_reason,
-            "temperature": self.sampling.temperature,
-            "top_k": self.sampling.top_k,
-            "top_p": self.sampling.top_p,
-            "seed": self.sampling.seed,
+            **self.sampling.as_dict(),
         }
 
 
@@ -83,6 +80,7 @@ class Engine:
         self.eos_token_ids: list[int] = list(self.manifest.get("eos_token_ids") or [])
         self._kv = [v for v in self.manifest["graph"]["inputs"] if v["name"].startswith("past_")]
         self._bindings: dict[str, str] = self.manifest["graph"].get("bindings", {})
+        self._trims: dict[str, str] = self.manifest["graph"].get("trims", {})
         self._constants = self._tree_inputs() if self.method == "medusa" else {}
         self.samples: bool = bool(self.manifest.get("sampling"))  # has the sampling inputs
         self._tokenizer: Any = None
@@ -134,6 +132,14 @@ class Engine:
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.bundle / tok_dir))
         return self._tokenizer
+
+    def _sampling(self, params: SamplingParams | None) -> SamplingParams:
+        """Checked parameters (greedy when none), refused if they sample and the bundle cannot."""
+        params = (params or SamplingParams()).check()
+        if not params.greedy and not self.samples:
+            raise InputError(f"{self.bundle} was compiled without sampling (--no-sampling, or --acceptance typical): "
+                             "recompile it without those flags to sample")  # fmt: skip
+        return params
 
     def _new_state(self, batch: int, params: SamplingParams | None = None) -> dict[str, ort.OrtValue]:
         """Fresh zeroed caches (and token history) for `batch` rows, and the sampling inputs
@@ -200,10 +206,7 @@ class Engine:
     ) -> list[GenerationResult]:
         """Generate for equal-length prompts, one engine row each, in lockstep (rows that
         stopped keep running until all have). Row b draws with uniforms[b] of the seed's stream."""
-        params = (params or SamplingParams()).check()
-        if not params.greedy and not self.samples:
-            raise InputError(f"{self.bundle} was compiled without sampling (--no-sampling, or --acceptance typical): "
-                             "recompile it without those flags to sample")  # fmt: skip
+        params = self._sampling(params)
         params = params.with_seed() if not params.greedy else params
         rows = [[int(t) for t in p] for p in prompts]
         if not rows or not rows[0]:
@@ -238,10 +241,10 @@ class Engine:
             feeds = {i: out[o] for o, i in self._bindings.items() if not o.startswith("present_")}
             if "history" in feeds:
                 state["history"] = feeds.pop("history")
-            if "n_draft" in out:  # lookup: send only the real drafts (a no-match step is a 1-token step)
-                keep = 1 + int(out["n_draft"].numpy().max())
-                if keep < out["next_tokens"].shape()[1]:
-                    feeds["tokens"] = np.ascontiguousarray(out["next_tokens"].numpy()[:, :keep])
+            for name, count in self._trims.items():  # e.g. lookup sends only its real drafts
+                keep = 1 + int(out[count].numpy().max())
+                if keep < out[name].shape()[1]:
+                    feeds[self._bindings[name]] = np.ascontiguousarray(out[name].numpy()[:, :keep])
             out = self._call(io, {**feeds, **self._constants, "n_fixed": ones}, state)
             before = [len(e) if stop is None else -1 for e, stop in zip(emitted, stops, strict=True)]
             self._emit(out, emitted, stops, max_new_tokens, stop_at_eos, stream)
@@ -283,9 +286,7 @@ class Engine:
         unless `params` ask to sample (they need a seed then)."""
         if cache_len + n_tokens > self.max_context:
             raise InputError(f"cannot time {n_tokens} tokens at context {cache_len}: max context is {self.max_context}")
-        if params is not None and not params.greedy and not self.samples:
-            raise InputError(f"{self.bundle} was compiled without sampling")
-        state = self._new_state(1, params)
+        state = self._new_state(1, self._sampling(params))
         io = self.session.io_binding()
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, int(self.manifest["vocab_size"]), (1, n_tokens), dtype=np.int64)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -62,10 +62,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def with_seed(self) -> SamplingParams:
-        """These parameters with a concrete seed (drawn from the OS when none was given)."""
-        return self if self.seed is not None else SamplingParams(self.temperature, self.top_k, self.top_p,
-                                                                  secrets.randbits(63))  # fmt: skip
+    def with_seed(self, default: int | None = None) -> SamplingParams:
+        """These parameters with a concrete seed: `default`, or one drawn from the OS."""
+        if self.seed is not None:
+            return self
+        return replace(self, seed=secrets.randbits(63) if default is None else default)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def uniform_stream(seed: int, rows: int, length: int) -> np.ndarray:

@@ -51,6 +51,11 @@ class TreeStepEngine(torch.nn.Module):
         self.typical = typical  # (threshold, alpha, temperature): Medusa's LOSSY typical acceptance
         self.heads_meta: dict = {}  # the heads file's header (training figures, measured acceptance)
 
+    @property
+    def candidates_per_head(self) -> int:
+        """The top tokens kept per head (TOPK, or the whole vocabulary when it is smaller)."""
+        return min(TOPK, int(self.target.get_parameter(self.lm_head_weight).shape[0]))
+
     TREE_INPUTS = ("tree_mask", "tree_depths", "tree_parent", "tree_head", "tree_rank", "tree_retrieve")
 
     def io_names(self) -> tuple[list[str], list[str]]:
@@ -170,7 +175,7 @@ class TreeStepEngine(torch.nn.Module):
             head_logits = head_logits.reshape(b, self.num_heads, -1)  # [B, K, V]
         else:
             head_logits = medusa.readout(states, weight)  # [B, K, V], one LM head per Medusa head
-        keep = min(TOPK, head_logits.shape[-1])
+        keep = self.candidates_per_head
         candidates = torch.topk(head_logits, keep, dim=-1).indices.reshape(b, self.num_heads * keep)  # [B, K*10]
         pick = (tree_head.clamp(min=0) * keep + tree_rank)[None, :].expand(b, n_nodes)  # [B, N]
         nodes = candidates.gather(1, pick)  # [B, N]

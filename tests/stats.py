@@ -3,16 +3,38 @@ of the first three tokens of direct sampling, draws from an engine, and a chi-sq
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from specgraph.compiler import CompileConfig
+from specgraph.medusa import MedusaHeads, save_heads
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams
 
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so lookup drafts often (and often wrongly)
 ROWS, BATCHES = 64, 256  # 16,384 draws per check
+TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]  # siblings at depths 1 and 2
+
+
+def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
+    """How the 8-token model is compiled for the statistics: 3 lookup drafts, or random Medusa
+    heads (so candidates disagree with the target) with TREE; writes the heads and tree once."""
+    heads, tree = root / "heads.safetensors", root / "tree.json"
+    if not heads.exists():
+        torch.manual_seed(1)
+        module = MedusaHeads(64, 4)
+        with torch.no_grad():
+            module.weight.normal_(0, 0.05)
+            module.bias.normal_(0, 0.05)
+        save_heads(heads, module, {"vocab_size": 8, "model": "tiny"})
+        tree.write_text(json.dumps({"paths": TREE}))
+    return CompileConfig(model=str(folder), output=root / method, method=method.split("-")[0], max_context=64,
+                         num_draft=3, heads=str(heads), tree=str(tree))  # fmt: skip
 
 
 def hf_law(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:

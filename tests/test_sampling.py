@@ -11,7 +11,6 @@ deliberately broken acceptance rule. docs/benchmarks.md records the p-values and
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import numpy as np
@@ -24,14 +23,12 @@ import specgraph.step
 import specgraph.step_tree
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.errors import InputError
-from specgraph.medusa import MedusaHeads, save_heads
 from specgraph.runtime import Engine
 from specgraph.sampling import ONNX_TRANSLATIONS, filter_logits, sample, uniform_stream
 from tests.greedy import assert_same_sampled
 from tests.models.tiny import build
-from tests.stats import PROMPT, chi_square, engine_counts, exact_joint, hf_law
+from tests.stats import PROMPT, chi_square, engine_counts, exact_joint, hf_law, v8_config
 
-TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]  # siblings at depths 1 and 2
 SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.7)]  # temperature, top_k, top_p
 ALPHA = 1e-4
 
@@ -44,22 +41,13 @@ def v8(tiny_folder, tmp_path_factory):
     """method -> compiled bundle of the 8-token model, plus the model itself."""
     folder = tiny_folder("llama-v8")
     root = tmp_path_factory.mktemp("v8")
-    torch.manual_seed(1)
-    heads = MedusaHeads(64, 4)
-    with torch.no_grad():
-        heads.weight.normal_(0, 0.05)
-        heads.bias.normal_(0, 0.05)
-    save_heads(root / "heads.safetensors", heads, {"vocab_size": 8, "model": "tiny"})
-    (root / "tree.json").write_text(json.dumps({"paths": TREE}))
     bundles = {}
 
     def get(method: str) -> Engine:
         if method not in bundles:
-            out = root / method
-            cfg = CompileConfig(model=str(folder), output=out, method=method.split("-")[0], max_context=64,
-                                num_draft=3, heads=str(root / "heads.safetensors"), tree=str(root / "tree.json"))  # fmt: skip
+            cfg = v8_config(folder, root, method)
             compile_model(cfg)
-            bundles[method] = Engine(out, threads=2)
+            bundles[method] = Engine(cfg.output, threads=2)
         return bundles[method]
 
     return get, build("llama-v8")
