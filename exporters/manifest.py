@@ -1,26 +1,58 @@
-"""The bundle's `manifest.json`: what every graph takes and returns, and checksums of every file."""
+"""The bundle's `manifest.json`: what every graph takes and returns, and the size and checksum of
+every file.
+
+A bundle is read as hostile input. `read_manifest` checks, in this order and before the engine
+touches anything: the manifest's schema (every key the runtime reads, with its type and range);
+that every path in it is relative and stays inside the bundle; that every file the engine reads
+(the graph, its external data, the tokenizer folder, the Medusa tree) is listed; that no listed
+file is a symbolic link, anything but a regular file, or code; that each has its recorded size;
+and last, when `verify`, that each has its recorded sha256.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+import os
+import re
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import onnx
 
 from specgraph.errors import BundleError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files map to {size, sha256}; paths are confined to the bundle
 MANIFEST = "manifest.json"
+# A bundle holds data only: the ONNX graph and its weights, JSON, and tokenizer vocabularies
+# (.txt merges, .model sentencepiece protobufs, .jinja chat templates). Never code.
+DATA_SUFFIXES = frozenset({".onnx", ".data", ".json", ".txt", ".model", ".jinja"})
+METHODS = ("none", "lookup", "medusa")  # the methods specgraph.runtime can run
+MAX_CONTEXT = 131072  # the compiler's --max-context bound
+MAX_VOCAB = 1 << 21  # 8x the largest vocabulary in use (Gemma 3: 262,144)
+DEFAULT_ALIAS = "smollm2-135m"  # specgraph.default_model.DEFAULT_MODEL (which imports torch)
+_MAX_MANIFEST_BYTES = 16 << 20
+_MAX_FILES = 4096
+_MAX_KV_WIDTH = 1 << 16  # a cache tensor holds at most this many values per slot (heads x head dim)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
 
 
-def sha256(path: Path) -> str:
+def sha256(path: Path, size: int | None = None) -> str:
+    """Hex sha256 of a file; with `size`, of exactly its first `size` bytes (and no more may follow)."""
     digest = hashlib.sha256()
+    left = size
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
+        while left is None or left > 0:
+            block = f.read(1 << 22 if left is None else min(1 << 22, left))
+            if not block:
+                break
             digest.update(block)
+            left = None if left is None else left - len(block)
+        if size is not None and (left or f.read(1)):
+            return ""  # the file changed size while it was read: no digest matches
     return digest.hexdigest()
 
 
@@ -35,31 +67,395 @@ def describe_values(values: Any) -> list[dict[str, Any]]:
 
 
 def write_manifest(bundle: Path, body: dict[str, Any]) -> dict[str, Any]:
-    """Add format version and file checksums to `body` and write it."""
-    files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """Add the format version and every file's size and sha256 to `body`, check it as a reader
+    would, and write it. Refuses a bundle holding anything but data."""
+    files = sorted(p for p in bundle.rglob("*") if p.is_file() and p != bundle / MANIFEST)
+    for path in files:
+        if path.suffix not in DATA_SUFFIXES:
+            raise BundleError(f"{bundle}: refusing to ship {path.relative_to(bundle)}: a bundle holds data, not code")
     body = {"format_version": FORMAT_VERSION, **body}
-    body["files"] = {str(p.relative_to(bundle)): sha256(p) for p in files}
+    body["files"] = {p.relative_to(bundle).as_posix(): {"size": p.stat().st_size, "sha256": sha256(p)} for p in files}
+    check_manifest(body, str(bundle))
     (bundle / MANIFEST).write_text(json.dumps(body, indent=2) + "\n")
     return body
 
 
 def read_manifest(bundle: Path, verify: bool = True) -> dict[str, Any]:
-    """Read and check a bundle; raise BundleError naming the first problem."""
-    path = bundle / MANIFEST
-    if not path.is_file():
-        raise BundleError(f"{bundle} is not a specgraph bundle (no {MANIFEST}); create one with `specgraph compile`")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{path} is not valid JSON: {exc}") from exc
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise BundleError(
-            f"{bundle} has bundle format {manifest.get('format_version')!r}; this specgraph reads {FORMAT_VERSION}: recompile it"
-        )
-    for name, digest in manifest.get("files", {}).items():
-        file = bundle / name
-        if not file.is_file():
-            raise BundleError(f"{bundle}: file {name} listed in the manifest is missing")
-        if verify and sha256(file) != digest:
-            raise BundleError(f"{bundle}: {name} fails its sha256 checksum (corrupted or edited); recompile the bundle")
+    """Read and check a bundle (see the module docstring); raise BundleError naming the first problem.
+
+    `verify=False` skips only the sha256 checks: paths, listing, file kinds and sizes are
+    always checked.
+    """
+    bundle = Path(bundle)
+    manifest = _load(bundle)
+    check_manifest(manifest, str(bundle))
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    for rel, entry in files.items():
+        _check_listed_file(bundle, rel, entry["size"])
+    for key, rel in _engine_files(bundle, manifest):
+        if rel not in files:
+            raise BundleError(f"{bundle}: {key} {rel} is not listed in the manifest's files, so it cannot be verified")
+    _check_external_data(bundle, manifest["graph"]["file"], files)
+    if verify:
+        for rel, entry in files.items():
+            if sha256(bundle / rel, entry["size"]) != entry["sha256"]:
+                raise BundleError(
+                    f"{bundle}: {rel} fails its sha256 checksum (corrupted or edited); recompile the bundle"
+                )
     return manifest
+
+
+def _load(bundle: Path) -> dict[str, Any]:
+    """The manifest as JSON, read with a size cap; an old format says to recompile."""
+    path = bundle / MANIFEST
+    try:
+        info = os.lstat(path)
+    except OSError:
+        raise BundleError(
+            f"{bundle} is not a specgraph bundle (no {MANIFEST}); create one with `specgraph compile`"
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise BundleError(f"{path} is not a regular file (a symbolic link or a folder)")
+    if info.st_size > _MAX_MANIFEST_BYTES:
+        raise BundleError(f"{path} is {info.st_size:,} bytes; a manifest is at most {_MAX_MANIFEST_BYTES:,}")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError, OSError) as exc:  # ValueError covers JSON and UTF-8 errors
+        raise BundleError(f"{path} is not valid JSON: {_first_line(exc)}") from exc
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != FORMAT_VERSION:
+        raise BundleError(
+            f"{bundle} has bundle format {_show(version)}; this specgraph reads {FORMAT_VERSION}: recompile it"
+        )
+    return manifest
+
+
+# --- the schema ---------------------------------------------------------------------------------
+
+
+class _Invalid(Exception):
+    """A manifest value that breaks the schema: where it is, what was expected, what was found."""
+
+    def __init__(self, key: str, expected: str, value: Any) -> None:
+        super().__init__(f"manifest key {key}: expected {expected}, got {_show(value)}")
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "nothing (the key is missing)"
+
+
+Rule = Callable[[Any, str], None]
+
+
+def _int(lo: int, hi: int) -> Rule:
+    def check(value: Any, key: str) -> None:
+        if type(value) is not int or not lo <= value <= hi:
+            raise _Invalid(key, f"an integer in [{lo}, {hi}]", value)
+
+    return check
+
+
+def _str(value: Any, key: str) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= 4096:
+        raise _Invalid(key, "a non-empty string", value)
+
+
+def _dict(value: Any, key: str) -> None:
+    if not isinstance(value, dict):
+        raise _Invalid(key, "an object", value)
+
+
+def _relative_path(value: Any, key: str) -> None:
+    """A path inside the bundle: relative, '/'-separated, no '.', '..' or empty parts."""
+    parts = value.split("/") if isinstance(value, str) else []
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= 1024
+        or any(part in ("", ".", "..") for part in parts)
+        or "\\" in value
+        or "\0" in value
+        or re.match(r"[A-Za-z]:", value)
+    ):
+        raise _Invalid(key, "a relative path inside the bundle", value)
+
+
+def _source_path(value: Any, key: str) -> None:
+    if value is not None and not (isinstance(value, str) and (os.path.isabs(value) or value == DEFAULT_ALIAS)):
+        raise _Invalid(key, f"an absolute path or {DEFAULT_ALIAS!r}", value)
+
+
+def _one_of(choices: tuple[str, ...]) -> Rule:
+    def check(value: Any, key: str) -> None:
+        if value not in choices:
+            raise _Invalid(key, f"one of {', '.join(choices)}", value)
+
+    return check
+
+
+def _optional(rule: Rule) -> Rule:
+    def check(value: Any, key: str) -> None:
+        if value is not None:
+            rule(value, key)
+
+    return check
+
+
+def _list(rule: Rule, max_len: int) -> Rule:
+    def check(value: Any, key: str) -> None:
+        if not isinstance(value, list) or len(value) > max_len:
+            raise _Invalid(key, f"a list of at most {max_len} items", value)
+        for i, item in enumerate(value):
+            rule(item, f"{key}[{i}]")
+
+    return check
+
+
+def _map(rule: Rule, max_len: int, key_rule: Rule = _str) -> Rule:
+    def check(value: Any, key: str) -> None:
+        if not isinstance(value, dict) or len(value) > max_len:
+            raise _Invalid(key, f"an object of at most {max_len} entries", value)
+        for name, item in value.items():
+            key_rule(name, f"{key} entry {_show(name)}")
+            rule(item, f"{key}.{_key(name)}")
+
+    return check
+
+
+def _obj(required: dict[str, Rule], optional: dict[str, Rule] | None = None) -> Rule:
+    """An object with these keys (others are allowed and ignored)."""
+
+    def check(value: Any, key: str) -> None:
+        if not isinstance(value, dict):
+            raise _Invalid(key or "(top level)", "an object", value)
+        for name, rule in required.items():
+            if name not in value:
+                raise _Invalid(f"{key}.{name}".lstrip("."), "a value", _Missing())
+            rule(value[name], f"{key}.{name}".lstrip("."))
+        for name, rule in (optional or {}).items():
+            if name in value:
+                rule(value[name], f"{key}.{name}".lstrip("."))
+
+    return check
+
+
+def _dim(value: Any, key: str) -> None:
+    if isinstance(value, str):
+        _str(value, key)
+    else:
+        _int(0, 1 << 31)(value, key)
+
+
+_VALUE = _obj({"name": _str, "dtype": _str, "shape": _list(_dim, 8)})
+_SCHEMA = _obj(
+    {
+        "format_version": _int(FORMAT_VERSION, FORMAT_VERSION),
+        "method": _one_of(METHODS),
+        "source": _obj({"name": _str, "kind": _str}, {"path": _source_path}),
+        "max_context": _int(16, MAX_CONTEXT),
+        "vocab_size": _int(1, MAX_VOCAB),
+        "eos_token_ids": _list(_int(0, MAX_VOCAB - 1), 64),
+        "tokenizer": _optional(_relative_path),
+        "graph": _obj(
+            {
+                "file": _relative_path,
+                "inputs": _list(_VALUE, 4096),
+                "outputs": _list(_VALUE, 4096),
+                "bindings": _map(_str, 4096),
+                "trims": _map(_str, 64),
+            },
+            {"weights": _optional(_relative_path), "opset": _int(1, 1000)},
+        ),
+        "files": _map(_obj({"size": _int(0, 1 << 50), "sha256": _str}), _MAX_FILES, _relative_path),
+    },
+    {
+        "lookup": _optional(_obj({"num_draft": _int(1, 64), "max_ngram": _int(1, 8)})),
+        "medusa": _optional(
+            _obj(
+                {
+                    "num_heads": _int(1, 64),
+                    "tree": _relative_path,
+                    "tree_size": _int(1, 4096),
+                    "tree_depth": _int(1, 64),
+                }
+            )
+        ),
+        "sampling": _optional(_dict),
+        "anatomy": _optional(_dict),
+        "passes": _optional(_dict),
+    },
+)
+
+
+def check_manifest(manifest: Any, label: str) -> None:
+    """Raise BundleError (one line, naming the key) unless `manifest` has every key the runtime
+    reads, with the right type and range, and consistent references between them."""
+    try:
+        _SCHEMA(manifest, "")
+        _check_references(manifest)
+    except _Invalid as exc:
+        raise BundleError(f"{label}: {exc}") from None
+
+
+def _check_references(manifest: dict[str, Any]) -> None:
+    """Cross-key rules: a method's section exists, bindings name real values, ids fit the vocabulary."""
+    method = manifest["method"]
+    if method in ("lookup", "medusa") and not isinstance(manifest.get(method), dict):
+        raise _Invalid(method, f"an object (the {method} bundle's settings)", manifest.get(method))
+    if not manifest["files"]:
+        raise _Invalid("files", "at least one file (the manifest lists what it verifies)", manifest["files"])
+    for i, token in enumerate(manifest["eos_token_ids"]):
+        if token >= manifest["vocab_size"]:
+            raise _Invalid(f"eos_token_ids[{i}]", f"an id below vocab_size {manifest['vocab_size']}", token)
+    graph = manifest["graph"]
+    inputs = {v["name"]: v for v in graph["inputs"]}
+    outputs = {v["name"] for v in graph["outputs"]}
+    for out, inp in graph["bindings"].items():
+        if out not in outputs or inp not in inputs:
+            raise _Invalid(f"graph.bindings.{_key(out)}", "an output name bound to an input name", inp)
+    for out, count in graph["trims"].items():
+        if out not in graph["bindings"] or count not in outputs:
+            raise _Invalid(f"graph.trims.{_key(out)}", "a bound output trimmed by an output count", count)
+    width_limit = manifest["max_context"] * _MAX_KV_WIDTH
+    for name, value in inputs.items():
+        if not name.startswith("past_"):
+            continue
+        dims = value["shape"][1:]  # [batch, ...]: the runtime allocates these zeroed
+        if not dims or not all(type(d) is int and d >= 1 for d in dims) or _product(dims) > width_limit:
+            raise _Invalid(
+                f"graph.inputs {name!r} shape", "fixed cache dimensions that fit max_context", value["shape"]
+            )
+
+
+def _product(dims: list[int]) -> int:
+    total = 1
+    for d in dims:
+        total *= d
+    return total
+
+
+# --- files --------------------------------------------------------------------------------------
+
+
+def _check_listed_file(bundle: Path, rel: str, size: int) -> None:
+    """A listed file lies inside the bundle through no symbolic link, is a regular data file, and
+    has its recorded size (checked before anything reads it)."""
+    if PurePosixPath(rel).suffix not in DATA_SUFFIXES:
+        raise BundleError(f"{bundle}: the manifest lists {rel}, which is not a data file; a bundle never carries code")
+    if rel == MANIFEST:
+        raise BundleError(f"{bundle}: the manifest lists itself")
+    info = _lstat_inside(bundle, rel)
+    if not stat.S_ISREG(info.st_mode):
+        raise BundleError(f"{bundle}: {rel} is not a regular file")
+    if info.st_size != size:
+        raise BundleError(
+            f"{bundle}: {rel} has {info.st_size:,} bytes, the manifest says {size:,}; recompile the bundle"
+        )
+
+
+def _lstat_inside(bundle: Path, rel: str) -> os.stat_result:
+    """lstat of `bundle/rel`, refusing a symbolic link anywhere below the bundle."""
+    path = bundle
+    info = None
+    for part in rel.split("/"):
+        path = path / part
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            raise BundleError(f"{bundle}: {rel} listed in the manifest is missing") from None
+        except OSError as exc:
+            raise BundleError(f"{bundle}: cannot read {rel}: {_first_line(exc)}") from None
+        if stat.S_ISLNK(info.st_mode):
+            raise BundleError(f"{bundle}: {rel} goes through a symbolic link; a bundle's files must lie inside it")
+    assert info is not None
+    return info
+
+
+def _engine_files(bundle: Path, manifest: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(manifest key, relative path) of every file the engine reads, external data aside."""
+    graph = manifest["graph"]
+    yield "graph.file", graph["file"]
+    if graph.get("weights"):
+        yield "graph.weights", graph["weights"]
+    if manifest.get("medusa"):
+        yield "medusa.tree", manifest["medusa"]["tree"]
+    if manifest.get("tokenizer"):
+        yield from (("tokenizer file", rel) for rel in _tokenizer_files(bundle, manifest["tokenizer"]))
+
+
+def _tokenizer_files(bundle: Path, folder: str) -> Iterator[str]:
+    """Every file in the tokenizer folder (transformers reads what it finds there)."""
+    info = _lstat_inside(bundle, folder)
+    if not stat.S_ISDIR(info.st_mode):
+        raise BundleError(f"{bundle}: tokenizer {folder} is not a folder")
+    for root, dirs, names in os.walk(bundle / folder):
+        for name in [*dirs, *names]:
+            path = Path(root) / name
+            rel = path.relative_to(bundle).as_posix()
+            if path.is_symlink():
+                raise BundleError(f"{bundle}: {rel} is a symbolic link; a bundle's files must lie inside it")
+            if name in names:
+                yield rel
+
+
+def _check_external_data(bundle: Path, graph_file: str, files: dict[str, Any]) -> None:
+    """Every external-data location inside the ONNX file (ONNX Runtime opens them) must be a
+    relative path inside the bundle and a listed file."""
+    try:
+        model = onnx.load(str(bundle / graph_file), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError, onnx's own errors, OSError
+        raise BundleError(f"{bundle}: {graph_file} is not a readable ONNX model: {_first_line(exc)}") from None
+    base = PurePosixPath(graph_file).parent
+    for tensor in _all_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        try:
+            _relative_path(location, f"{graph_file} external data of {tensor.name!r}")
+        except _Invalid as exc:
+            raise BundleError(f"{bundle}: {exc}") from None
+        rel = (base / location).as_posix()
+        if rel not in files:
+            raise BundleError(
+                f"{bundle}: {graph_file} reads external data from {rel}, which the manifest does not list"
+            )
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor in the model: initializers and attribute values, in subgraphs and functions too."""
+    graphs = [model.graph]
+    nodes = [node for function in model.functions for node in function.node]
+    while graphs or nodes:
+        if graphs:
+            graph = graphs.pop()
+            yield from graph.initializer
+            for sparse in graph.sparse_initializer:
+                yield from (sparse.values, sparse.indices)
+            nodes.extend(graph.node)
+            continue
+        for attr in nodes.pop().attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
+            for sparse in attr.sparse_tensors:
+                yield from (sparse.values, sparse.indices)
+            if attr.HasField("g"):
+                graphs.append(attr.g)
+            graphs.extend(attr.graphs)
+
+
+def _key(name: Any) -> str:
+    return name if isinstance(name, str) and name.isidentifier() else _show(name)
+
+
+def _show(value: Any) -> str:
+    """A short one-line repr of a manifest value."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

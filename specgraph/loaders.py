@@ -17,7 +17,12 @@ What `torch.export.load` does with an archive (torch 2.13, read from
   calls `eval`: a crafted expression runs arbitrary code (verified here with a hand-edited
   archive that ran `os.system`).
 So `torch.export.load` is NOT safe on untrusted files by itself; `_check_pt2_archive` refuses
-every one of those routes before it is called.
+every one of those routes before it is called, and bounds what the archive may inflate to.
+
+Nothing here runs a model folder's code or reaches a model hub: every `from_pretrained` passes
+`trust_remote_code=False` and `local_files_only=True`. An HF folder's config is checked against
+its safetensors headers before any weight is allocated (`check_config_fits_weights`), and every
+weight the model uses must come from the file.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
+import math
 import re
 import zipfile
 import zlib
@@ -38,15 +45,20 @@ import torch
 from specgraph.default_model import (
     DEFAULT_MODEL,
     DEFAULT_MODEL_NAME,
+    LOCAL_ONLY,
     build_folder_atomically,
     cache_root,
+    check_config_fits_weights,
     ensure_default_model,
     read_gguf,
 )
-from specgraph.errors import ModelLoadError, UnsafeModelError
+from specgraph.errors import ModelLoadError, SpecgraphError, UnsafeModelError
+from specgraph.exporters.manifest import DATA_SUFFIXES
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger("specgraph.loaders")
 
 _ACCEPTED = (
     f"a model is one of: the alias {DEFAULT_MODEL!r}, a Hugging Face folder with config.json and "
@@ -56,6 +68,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Pickle protocols 2-5 start with PROTO (0x80) and the protocol number; legacy torch.save too.
 _PICKLE_HEADS = tuple(bytes([0x80, proto]) for proto in (2, 3, 4, 5))
+# Protocols 0 and 1 have no header; a pickle of them starts with an opcode that pushes a value
+# (MARK, an empty container, a global, a number, a string or None).
+_PICKLE_01_STARTS = frozenset(bytes([c]) for c in b"(}])cILFSVNJKMGTUX")
 # Names a symbolic shape may use: sympy's srepr vocabulary and torch.utils._sympy.functions.
 _SYM_NAMES = frozenset(
     "Symbol Dummy Integer Rational Float Add Mul Pow Mod Max Min Abs floor ceiling sqrt "
@@ -72,6 +87,13 @@ _SYM_TOKEN = re.compile(
     r"\s*(?:(?P<name>[A-Za-z_]\w*)|'[\w.+\-]*'|\d+(?:\.\d+)?(?:e[+-]?\d+)?|\*\*|[-+*/%(),=<>!~&|^])"
 )
 _SYMBOL_NAME = re.compile(r"[a-z]+\d+")  # torch's own symbols: s27, u0, ...
+# What we read of a PT2 archive ourselves, at most (torch.export.save stores members uncompressed).
+_ARCHIVE_FORMAT_BYTES = 64
+_JSON_MEMBER_BYTES = 256 << 20
+_SAMPLE_INPUT_BYTES = 64 << 20
+# Members may declare this many bytes in all: what torch.export.load will allocate.
+_INFLATION = 4  # times the archive's size, plus:
+_INFLATION_SLACK = 64 << 20
 
 
 @dataclass
@@ -111,25 +133,125 @@ def load_model(source: str | Path) -> LoadedModel:
 # --- Hugging Face folders and GGUF files -------------------------------------------------------
 
 
-def _load_hf_folder(folder: Path, name: str | None = None) -> LoadedModel:
-    """Load a Hugging Face folder from its safetensors weights, never from a pickle."""
-    from transformers import AutoModelForCausalLM
+def source_path(model: str) -> str:
+    """`model` as a bundle's manifest records it: the alias, or an absolute path (so bench finds
+    the same model from any working directory)."""
+    if model == DEFAULT_MODEL:
+        return model
+    return str(Path(model).expanduser().resolve())
 
-    _check_safetensors_weights(folder)
+
+def load_tokenizer(folder: Path, error: type[SpecgraphError] = ModelLoadError) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `folder`, never running code the folder names (`auto_map`) and
+    never reaching a hub; `error` (ModelLoadError, BundleError...) if it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), **LOCAL_ONLY)
+    except Exception as exc:  # tokenizers raise many kinds of error on broken files
+        raise error(f"cannot load the tokenizer in {folder}: {_first_line(exc)}") from exc
+
+
+def save_tokenizer(source: Path, out: Path) -> None:
+    """Save the tokenizer of `source` into `out` as data only: files with a data suffix, and no
+    `auto_map` naming code (a bundle never carries code)."""
+    load_tokenizer(source).save_pretrained(str(out))
+    for path in sorted(out.rglob("*")):
+        if path.is_file() and path.suffix not in DATA_SUFFIXES:
+            logger.warning("%s: not copying %s into the bundle: a bundle holds data, not code", source, path.name)
+            path.unlink()
+    config = out / "tokenizer_config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        if isinstance(data, dict) and data.pop("auto_map", None) is not None:
+            config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _load_hf_folder(folder: Path, name: str | None = None) -> LoadedModel:
+    """Load a Hugging Face folder from its safetensors weights, never from a pickle.
+
+    The config is checked against the safetensors headers before anything is allocated, and
+    every weight the model uses must come from the files (a missing one is an error, an unused
+    one a warning).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shapes = _safetensors_shapes(folder)
+    try:  # transformers raises OSError, ValueError, KeyError... on bad configs
+        config = AutoConfig.from_pretrained(folder, **LOCAL_ONLY)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load {folder}: {_first_line(exc)}") from exc
+    _check_shapes(config, shapes, folder)
     try:  # transformers raises OSError, ValueError, KeyError, SafetensorError... on bad folders
-        model = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             folder,
+            config=config,
             dtype=torch.float32,
             attn_implementation="sdpa",
             use_safetensors=True,
-            trust_remote_code=False,
-            local_files_only=True,
+            output_loading_info=True,
+            **LOCAL_ONLY,
         )
     except Exception as exc:
         raise ModelLoadError(f"cannot load {folder}: {_first_line(exc)}") from exc
+    model, info = loaded  # output_loading_info=True: (model, {missing_keys, unexpected_keys, ...})
+    _check_loading_info(info, folder)
     has_tokenizer = any((folder / file).is_file() for file in _TOKENIZER_FILES)
     tokenizer_dir = folder if has_tokenizer else None
     return _from_hf(model.eval(), "hf", name or folder.resolve().name, tokenizer_dir)
+
+
+def _safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the folder's safetensors files, from their headers."""
+    from safetensors import safe_open
+
+    _check_safetensors_weights(folder)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        try:  # the reader checks the header against the file's size
+            with safe_open(str(path), framework="pt") as file:
+                for key in file.keys():
+                    shapes[key] = tuple(file.get_slice(key).get_shape())
+        except Exception as exc:  # SafetensorError, OSError...
+            raise ModelLoadError(f"{path.name} is truncated or corrupt: {_first_line(exc)}") from exc
+    return shapes
+
+
+def _check_shapes(config: PretrainedConfig, shapes: dict[str, tuple[int, ...]], folder: Path) -> None:
+    """The config fits the weights: as many layers, not more parameters, same shapes by name."""
+    numels = {name: math.prod(shape) for name, shape in shapes.items()}
+    skeleton = check_config_fits_weights(config, numels, folder.name)
+    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    wrong = [name for name, shape in shapes.items() if name in expected and expected[name] != shape]
+    if wrong:
+        first = wrong[0]
+        raise ModelLoadError(
+            f"{folder.name}: {len(wrong)} weights have shapes config.json does not give them "
+            f"({first} is {list(shapes[first])} in the file, {list(expected[first])} by the config)"
+        )
+
+
+def _check_loading_info(info: dict[str, Any], folder: Path) -> None:
+    """Refuse weights the model needs but the files lack (transformers would leave them random)."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelLoadError(
+            f"{folder.name}: the weights lack {len(missing)} tensors the model needs ({_names(missing)}); "
+            "the files do not match config.json"
+        )
+    mismatched = sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys") or ())
+    if mismatched:
+        raise ModelLoadError(f"{folder.name}: {len(mismatched)} weights have the wrong shape ({_names(mismatched)})")
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        logger.warning("%s: ignoring %d tensors the model does not use (%s)", folder.name, len(unexpected),
+                       _names(unexpected))  # fmt: skip
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    """The first few names of a list, and how many more there are."""
+    text = ", ".join(names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _check_safetensors_weights(folder: Path) -> None:
@@ -195,12 +317,7 @@ def _eos_token_ids(
         if ids:
             return ids
     if tokenizer is None and tokenizer_dir is not None:
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        except Exception as exc:  # tokenizers raise many kinds of error on broken files
-            raise ModelLoadError(f"cannot load the tokenizer in {tokenizer_dir}: {_first_line(exc)}") from exc
+        tokenizer = load_tokenizer(tokenizer_dir)
     return _id_list(getattr(tokenizer, "eos_token_id", None))
 
 
@@ -238,22 +355,55 @@ def _load_exported(path: Path) -> LoadedModel:
     )
 
 
+def _is_pickle(head: bytes) -> bool:
+    """Does a file starting with `head` hold a pickle? Protocols 2-5 begin with PROTO; 0 and 1
+    have no header, so their opcodes are parsed (never run): a pushing opcode first, then valid
+    opcodes up to STOP or for 32 opcodes. A zip ("PK") is never one."""
+    if head[:2] in _PICKLE_HEADS:
+        return True
+    if not head or head[:1] not in _PICKLE_01_STARTS:
+        return False
+    import pickletools
+
+    try:
+        for count, (opcode, _arg, _pos) in enumerate(pickletools.genops(io.BytesIO(head)), 1):
+            if opcode.name == "STOP" or count >= 32:
+                return True
+    except Exception:  # genops raises ValueError and others on bytes that are not opcodes
+        return False
+    return False
+
+
 def _check_pt2_archive(file: BinaryIO, label: str) -> None:
-    """Refuse pickles and every part of a PT2 archive that torch.export.load would unpickle or eval."""
-    if file.read(2) in _PICKLE_HEADS:
+    """Refuse pickles, every part of a PT2 archive that torch.export.load would unpickle or eval,
+    and archives whose members would inflate far beyond the file."""
+    if _is_pickle(file.read(1 << 16)):
         raise UnsafeModelError(_pickle_message(label))
+    size = file.seek(0, io.SEEK_END)
     file.seek(0)
     try:
         archive = zipfile.ZipFile(file)
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise ModelLoadError(f"{label} is truncated or corrupt: {_first_line(exc)}") from exc
     with archive:
+        _check_inflated_size(archive, size, label)
         entries = _relative_entries(archive)
         if "archive_format" not in entries:
             _refuse_non_pt2(entries, label)
-        if _read(archive, entries["archive_format"], label).strip() != b"pt2":
+        if _read(archive, entries["archive_format"], label, _ARCHIVE_FORMAT_BYTES).strip() != b"pt2":
             raise ModelLoadError(f"{label} is a zip but not a torch.export archive")
         _check_pt2_entries(archive, entries, label)
+
+
+def _check_inflated_size(archive: zipfile.ZipFile, size: int, label: str) -> None:
+    """torch.export.load allocates each member's declared size: bound their sum by the file's."""
+    declared = sum(info.file_size for info in archive.infolist())
+    limit = size * _INFLATION + _INFLATION_SLACK
+    if declared > limit:
+        raise ModelLoadError(
+            f"{label}: its members would inflate to {declared:,} bytes from a {size:,}-byte file "
+            f"(at most {limit:,}); torch.export.save does not compress, so this archive was crafted or damaged"
+        )
 
 
 def _refuse_non_pt2(entries: dict[str, zipfile.ZipInfo], label: str) -> None:
@@ -282,17 +432,22 @@ def _check_pt2_entries(archive: zipfile.ZipFile, entries: dict[str, zipfile.ZipI
                 raise UnsafeModelError(f"{label} stores {legacy} as a pickle, which can run code when loaded")
         for config in (f"data/weights/{model}_weights_config.json", f"data/constants/{model}_constants_config.json"):
             if config in entries:
-                _check_payload_config(json.loads(_read(archive, entries[config], label)), label)
+                _check_payload_config(_read_json(archive, entries[config], label), label)
         sample = f"data/sample_inputs/{model}.pt"
         if sample in entries:
-            _check_sample_inputs(_read(archive, entries[sample], label), label)
-        for expr in _expr_strings(json.loads(_read(archive, entries[f"models/{model}.json"], label))):
+            _check_sample_inputs(_read(archive, entries[sample], label, _SAMPLE_INPUT_BYTES), label)
+        for expr in _expr_strings(_read_json(archive, entries[f"models/{model}.json"], label)):
             _check_sym_expr(expr, label)
 
 
-def _check_payload_config(config: dict[str, Any], label: str) -> None:
+def _check_payload_config(config: Any, label: str) -> None:
     """Refuse weights or constants stored as pickles rather than raw tensor bytes."""
-    for fqn, meta in config.get("config", {}).items():
+    entries = config.get("config", {}) if isinstance(config, dict) else None
+    if not isinstance(entries, dict):
+        raise ModelLoadError(f"{label} has a malformed payload config (not a JSON object of tensors)")
+    for fqn, meta in entries.items():
+        if not isinstance(meta, dict):
+            raise ModelLoadError(f"{label} has a malformed payload config entry for {fqn!r}")
         path_name = str(meta.get("path_name", ""))
         if meta.get("use_pickle") or path_name.startswith(("custom_obj_", "opaque_obj_")):
             raise UnsafeModelError(f"{label} stores {fqn} as a pickled object, which can run code when loaded")
@@ -309,17 +464,19 @@ def _check_sample_inputs(data: bytes, label: str) -> None:
         ) from exc
 
 
-def _expr_strings(node: Any) -> Iterator[str]:
+def _expr_strings(root: Any) -> Iterator[str]:
     """Every `expr_str` value in a serialized exported program (the strings sympify evaluates)."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key == "expr_str" and isinstance(value, str):
-                yield value
-            else:
-                yield from _expr_strings(value)
-    elif isinstance(node, list):
-        for item in node:
-            yield from _expr_strings(item)
+    stack = [root]  # no recursion: the JSON may nest as deeply as its parser allowed
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "expr_str" and isinstance(value, str):
+                    yield value
+                else:
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _check_sym_expr(expr: str, label: str) -> None:
@@ -345,12 +502,27 @@ def _relative_entries(archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:
     return {info.filename.split("/", 1)[1]: info for info in infos if "/" in info.filename}
 
 
-def _read(archive: zipfile.ZipFile, info: zipfile.ZipInfo, label: str) -> bytes:
-    """Read one zip entry; damaged entries become ModelLoadError."""
+def _read(archive: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, limit: int) -> bytes:
+    """Read one zip entry of at most `limit` bytes, whatever its header declares; damaged or
+    oversized entries become ModelLoadError."""
+    if info.file_size > limit:
+        raise ModelLoadError(f"{label}: {info.filename} declares {info.file_size:,} bytes; at most {limit:,} expected")
     try:
-        return archive.read(info)
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as exc:
+        with archive.open(info) as member:
+            data = member.read(limit + 1)
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError, RuntimeError) as exc:
         raise ModelLoadError(f"{label} is truncated or corrupt: {_first_line(exc)}") from exc
+    if len(data) > limit:
+        raise ModelLoadError(f"{label}: {info.filename} inflates past {limit:,} bytes")
+    return data
+
+
+def _read_json(archive: zipfile.ZipFile, info: zipfile.ZipInfo, label: str) -> Any:
+    """A JSON member, read with a cap; malformed or absurdly nested JSON becomes ModelLoadError."""
+    try:
+        return json.loads(_read(archive, info, label, _JSON_MEMBER_BYTES))
+    except (ValueError, RecursionError) as exc:  # ValueError covers JSON and UTF-8 errors
+        raise ModelLoadError(f"{label}: {info.filename} is not valid JSON: {_first_line(exc)}") from exc
 
 
 def _check_program_signature(program: torch.export.ExportedProgram, label: str) -> torch.Tensor:

@@ -4,10 +4,15 @@
 binds every output onto the matching input of the next call (the KV caches are the same
 buffers in and out, so ONNX Runtime's TensorScatter writes them in place) and emits
 `accepted[:n_accepted]`; it never edits a tensor.
+
+What a caller passes is checked here, with the messages the CLI prints (`check_prompt_ids`,
+`check_threads`), and a bundle is checked before ONNX Runtime sees it (`read_manifest`), then
+against what ONNX Runtime found in its graph: every error is a specgraph error.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,9 +22,55 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from specgraph.errors import InputError
+from specgraph import sampling
+from specgraph.errors import BundleError, InputError
 from specgraph.exporters.manifest import read_manifest
 from specgraph.sampling import SamplingParams, uniform_stream
+
+# Inputs the host feeds and outputs it reads, with their ONNX types; past_* caches are float.
+_FED = {"tokens": "int64", "n_fixed": "int64", "cache_len": "int64", "history": "int64", "path_src": "int64",
+        "n_path": "int64", "tree_mask": "bool", "tree_depths": "int64", "tree_parent": "int64",
+        "tree_head": "int64", "tree_rank": "int64", "tree_retrieve": "int64", "temperature": "float",
+        "top_k": "int64", "top_p": "float", "uniforms": "float"}  # fmt: skip
+_READ = ("accepted", "n_accepted", "next_tokens", "cache_len_out")
+
+
+def check_threads(threads: Any) -> int | None:
+    """`threads` as ONNX Runtime intra-op threads: None (ORT's choice) or 1 to the machine's cores."""
+    limit = os.cpu_count() or 1
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int | np.integer) or not 1 <= threads <= limit:
+        raise InputError(f"threads must be an integer from 1 to {limit} (the cores of this machine), got {threads!r}")
+    return int(threads)
+
+
+def check_prompt_ids(ids: Any, vocab_size: int) -> list[int]:
+    """A prompt as a list of ints in [0, vocab_size), or InputError saying what is wrong. The API
+    and the CLI share it, so they refuse the same prompts with the same words."""
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
+        ids = ids.tolist()
+    if not isinstance(ids, list | tuple):
+        raise InputError(f"a prompt is a list of token ids (ints), got {_show(ids)}")
+    if not ids:
+        raise InputError("the prompt is empty")
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int | np.integer):
+            raise InputError(f"a prompt is a list of token ids (ints), but position {i} holds {_show(token)}")
+        if not 0 <= token < vocab_size:
+            raise InputError(f"token ids must lie in [0, {vocab_size}) for this model; position {i} holds {token}")
+    return [int(t) for t in ids]
+
+
+def _check_max_new_tokens(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {_show(value)}")
+    return int(value)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -39,12 +90,12 @@ class GenerationResult:
     @property
     def mean_accepted(self) -> float:
         """Tokens emitted per target forward after prefill (plain decoding = 1.0)."""
-        return (len(self.output_ids) - 1) / self.steps if self.steps else float(len(self.output_ids) > 0)
+        return max(len(self.output_ids) - 1, 0) / self.steps if self.steps else float(len(self.output_ids) > 0)
 
     @property
     def tokens_per_s(self) -> float:
         """Decode throughput: tokens after the first over the time of the steps that made them."""
-        return (len(self.output_ids) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+        return max(len(self.output_ids) - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +117,7 @@ class Engine:
 
     def __init__(self, bundle: str | Path, threads: int | None = None, verify: bool = True) -> None:
         self.bundle = Path(bundle)
+        threads = check_threads(threads)
         self.manifest = read_manifest(self.bundle, verify=verify)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -74,7 +126,10 @@ class Engine:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3  # TensorScatter logs each non-in-place copy as a warning
         graph = self.bundle / self.manifest["graph"]["file"]
-        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT raises its own Fail, InvalidGraph, InvalidProtobuf...
+            raise BundleError(f"{self.bundle}: ONNX Runtime cannot load {graph.name}: {_first_line(exc)}") from exc
         self.method: str = self.manifest["method"]
         self.max_context: int = self.manifest["max_context"]
         self.eos_token_ids: list[int] = list(self.manifest.get("eos_token_ids") or [])
@@ -84,6 +139,35 @@ class Engine:
         self._constants = self._tree_inputs() if self.method == "medusa" else {}
         self.samples: bool = bool(self.manifest.get("sampling"))  # has the sampling inputs
         self._tokenizer: Any = None
+        self._check_graph()
+
+    def _check_graph(self) -> None:
+        """The graph ONNX Runtime loaded has the inputs and outputs the manifest declares, and the
+        host can feed every input and read every output it needs."""
+        declared = {v["name"]: v for v in self.manifest["graph"]["inputs"]}
+        inputs = {v.name: v for v in self.session.get_inputs()}
+        outputs = {v.name for v in self.session.get_outputs()}
+        fed = {"tokens", "n_fixed", "cache_len", *self._constants, *(v["name"] for v in self._kv)}
+        fed |= {"history"} if self.method == "lookup" else set()
+        fed |= {"path_src", "n_path"} if self.method == "medusa" else set()
+        fed |= set(sampling.INPUTS) if self.samples else set()
+        problem = None
+        if set(inputs) != fed or set(declared) != fed:
+            names = sorted((set(inputs) ^ fed) | (set(declared) ^ fed))
+            problem = f"the graph's inputs do not match what its manifest describes ({', '.join(names[:3])})"
+        elif not set(_READ) <= outputs:
+            problem = f"the graph lacks outputs the host reads ({', '.join(sorted(set(_READ) - outputs))})"
+        for name, value in inputs.items():
+            want = _FED.get(name, "float")
+            if problem is None and value.type != f"tensor({want})":
+                problem = f"graph input {name} is {value.type}, the host feeds tensor({want})"
+            if problem is None and name.startswith("past_") and list(value.shape[1:]) != declared[name]["shape"][1:]:
+                problem = f"graph input {name} has shape {value.shape}, the manifest says {declared[name]['shape']}"
+        for name in outputs:
+            if problem is None and name.startswith("present_") and name.replace("present_", "past_", 1) not in inputs:
+                problem = f"graph output {name} has no cache input to write into"
+        if problem is not None:
+            raise BundleError(f"{self.bundle}: {problem}; recompile the bundle")
 
     def _tree_inputs(self) -> dict[str, np.ndarray]:
         """Medusa: the candidate tree as constant engine inputs, and last round's path (none yet)."""
@@ -93,6 +177,8 @@ class Engine:
         tree = load_tree(self.bundle / medusa["tree"])
         self.tree = tree
         self.path_width = int(medusa["num_heads"])
+        if tree.retrieve.shape[1] > self.path_width + 1:
+            raise BundleError(f"{self.bundle}: its tree is deeper than its {self.path_width} Medusa heads draft")
         retrieve = np.full((tree.retrieve.shape[0], self.path_width + 1), -1, np.int64)
         retrieve[:, : tree.retrieve.shape[1]] = tree.retrieve
         return {
@@ -128,9 +214,9 @@ class Engine:
             tok_dir = self.manifest.get("tokenizer")
             if not tok_dir:
                 raise InputError(f"{self.bundle} has no tokenizer (its source had none): pass token ids instead")
-            from transformers import AutoTokenizer
+            from specgraph.loaders import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.bundle / tok_dir))
+            self._tokenizer = load_tokenizer(self.bundle / tok_dir, error=BundleError)
         return self._tokenizer
 
     def _sampling(self, params: SamplingParams | None) -> SamplingParams:
@@ -177,8 +263,18 @@ class Engine:
             else:
                 io.bind_output(out.name)
             bound.append(out.name)
-        self.session.run_with_iobinding(io)
-        return dict(zip(bound, io.get_outputs(), strict=False))
+        try:
+            self.session.run_with_iobinding(io)
+        except Exception as exc:  # ORT's own error types; the inputs were checked, so the graph failed
+            raise BundleError(f"{self.bundle}: the engine failed: {_first_line(exc)}") from exc
+        out = dict(zip(bound, io.get_outputs(), strict=False))
+        tokens = feeds["tokens"]
+        batch = (tokens.shape() if isinstance(tokens, ort.OrtValue) else tokens.shape)[0]
+        for name in _READ:
+            shape = out[name].shape()
+            if len(shape) != (1 if name in ("n_accepted", "cache_len_out") else 2) or shape[0] != batch:
+                raise BundleError(f"{self.bundle}: the engine returned {name} of shape {shape}; recompile the bundle")
+        return out
 
     def generate(
         self,
@@ -194,7 +290,8 @@ class Engine:
         """Generate for one prompt: greedy at temperature 0, else sampled (with `seed`, exactly
         reproducible). `on_tokens` receives each round's new tokens."""
         params = SamplingParams(temperature, top_k, top_p, seed)
-        return self.generate_batch([prompt_ids], max_new_tokens, stop_at_eos, params, on_tokens)[0]
+        prompt = check_prompt_ids(prompt_ids, int(self.manifest["vocab_size"]))
+        return self.generate_batch([prompt], max_new_tokens, stop_at_eos, params, on_tokens)[0]
 
     def generate_batch(
         self,
@@ -206,11 +303,14 @@ class Engine:
     ) -> list[GenerationResult]:
         """Generate for equal-length prompts, one engine row each, in lockstep (rows that
         stopped keep running until all have). Row b draws with uniforms[b] of the seed's stream."""
+        max_new_tokens = _check_max_new_tokens(max_new_tokens)
         params = self._sampling(params)
         params = params.with_seed() if not params.greedy else params
-        rows = [[int(t) for t in p] for p in prompts]
-        if not rows or not rows[0]:
-            raise InputError("the prompt is empty")
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)
+        if not isinstance(prompts, list | tuple) or not prompts:
+            raise InputError(f"generate_batch takes a non-empty list of prompts, got {_show(prompts)}")
+        rows = [check_prompt_ids(p, int(self.manifest["vocab_size"])) for p in prompts]
         if any(len(r) != len(rows[0]) for r in rows):
             raise InputError("generate_batch needs prompts of equal length")
         length = len(rows[0])
@@ -233,6 +333,8 @@ class Engine:
         ones = np.ones(batch, np.int64)
         start = time.perf_counter()
         while any(stop is None for stop in stops):
+            if max(map(len, counts)) > self.max_context:  # every call fills at least one cache slot
+                raise BundleError(f"{self.bundle}: the engine makes no progress (its cache does not advance)")
             width = out["next_tokens"].shape()[1] + self._extra_write
             if int(out["cache_len_out"].numpy().max()) + width > self.max_context:
                 stops = [stop or "max_context" for stop in stops]
@@ -298,3 +400,8 @@ class Engine:
             self._call(io, feeds, state)
             times.append(time.perf_counter() - start)
         return float(np.median(times))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from specgraph.bench import _read_records, encode_prompt
 from specgraph.errors import InputError
-from specgraph.loaders import LoadedModel, load_model
+from specgraph.loaders import LoadedModel, load_model, load_tokenizer
 from specgraph.medusa import MedusaHeads, save_heads
 
 HEAD_DECAY = 0.8  # loss weight of head k is HEAD_DECAY**k (Medusa-1)
@@ -150,9 +150,7 @@ def _prompt_ids(prompts: str, loaded: LoadedModel) -> list[list[int]]:
     `specgraph bench` encodes them)."""
     tokenizer = None
     if loaded.tokenizer_dir is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(loaded.tokenizer_dir))
+        tokenizer = load_tokenizer(loaded.tokenizer_dir)
     ids: list[list[int]] = []
     for record, (file, line) in _read_records(str(TRAIN_SET) if prompts == "train" else prompts, None):
         given = record.get("prompt_ids")
