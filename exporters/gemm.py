@@ -47,7 +47,7 @@ def matmul_to_gemm(path: Path, leading_input: str = "tokens") -> int:
         new_nodes[:0] = _output_shape_nodes(n_out, shape_name, leading_input)
     del graph.node[:]
     graph.node.extend(new_nodes)
-    _drop_dead(graph)
+    drop_dead(graph)
     data = path.name + ".data"
     (path.parent / data).unlink(missing_ok=True)
     onnx.save_model(
@@ -110,7 +110,7 @@ def _output_shape_nodes(n_out: int, name: str, leading_input: str) -> list[onnx.
     return [const, lead, cat]
 
 
-def _drop_dead(graph: onnx.GraphProto) -> None:
+def drop_dead(graph: onnx.GraphProto) -> None:
     """Remove nodes and initializers nothing reads any more."""
     live = {o.name for o in graph.output}
     keep = []

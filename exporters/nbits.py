@@ -1,0 +1,250 @@
+"""Run weights as integer blocks: `Gemm(x, W, transB=1)` becomes ONNX Runtime's 4-bit `MatMulNBits`.
+
+A BlockWeight (`specgraph/blocks.py`) says `w = scale * codes + offset` per block of inputs. Codes
+of up to 4 bits are one 4-bit digit; wider codes (Q5_K, Q6_K, Q8_0, int8) are two, `codes = 16*hi
++ lo`. `MatMulNBits` computes `x @ (s_d * (digit - 8))^T` per digit (its default zero point is 8),
+so the offsets collect in one per-block term, added as a small product with the block sums of x:
+
+    y = sum_d MatMulNBits(x, digit_d, s_d)  +  blocksum(x) @ c'^T,   s_hi = 16 s,  s_lo = s,
+    c' = offset + 8 s (one digit)  or  offset + 136 s (two digits; 136 = 8*16 + 8)
+
+`accuracy_level=1` multiplies in float32, so the product equals the dequantised weight's to float
+rounding (this is `--activations fp32`); `accuracy_level=4` quantises x to int8 per block first
+(`--activations int8`: faster, a different model). An embedding table whose rows are the same
+blocks (a tied LM head) is gathered from the same digit buffers and dequantised in the graph:
+the engine holds no float copy of a quantised weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from specgraph.blocks import BlockWeight
+from specgraph.exporters.gemm import drop_dead
+
+logger = logging.getLogger("specgraph.exporters")
+Lookup = Callable[[str, np.ndarray], list[BlockWeight] | None]
+
+
+@dataclass
+class NBitsReport:
+    """What the rewrite changed, for the compile report and the manifest."""
+
+    matmuls: int = 0
+    gathers: int = 0
+    formats: dict[str, int] = field(default_factory=dict)  # weights per stored format
+    float_bytes: int = 0  # fp32 bytes of the weights replaced
+    stored_bytes: int = 0  # bytes of their digits, scales and offsets
+
+
+@dataclass
+class _Digits:
+    """The initializer names of one run of rows: packed digits with their scales, and c'."""
+
+    rows: int
+    cols: int
+    block: int
+    digits: list[tuple[str, str]]  # (packed uint8 [N, K/block, block/2], scales float32 [N, K/block])
+    offset: str | None  # float32 [N, K/block], None when every c' is zero
+
+
+def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int) -> NBitsReport:
+    """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None."""
+    model = onnx.load(str(path))
+    graph = model.graph
+    arrays = {t.name: t for t in graph.initializer}
+    report = NBitsReport()
+    done: dict[str, list[_Digits] | None] = {}
+
+    def digits_for(name: str) -> list[_Digits] | None:
+        if name not in done:
+            init = arrays.get(name)
+            runs = None
+            if init is not None and len(init.dims) == 2 and init.data_type == TensorProto.FLOAT:
+                weight = numpy_helper.to_array(init)
+                runs = lookup(name, weight)
+                if runs is not None:
+                    report.float_bytes += weight.nbytes
+                    for run in runs:
+                        report.stored_bytes += run.stored_bytes()
+                        report.formats[run.format] = report.formats.get(run.format, 0) + 1
+            done[name] = None if runs is None else [_add_digits(graph, f"{name}.r{i}", r) for i, r in enumerate(runs)]
+        return done[name]
+
+    blocksums: dict[tuple[str, int], str] = {}
+    new_nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type == "Gemm" and _plain_transb(node) and len(node.input) == 2:
+            runs = digits_for(node.input[1])
+            if runs is not None:
+                new_nodes += _matmul_nodes(node, runs, accuracy_level, blocksums)
+                report.matmuls += 1
+                continue
+        if node.op_type == "Gather" and _axis(node) == 0:
+            runs = digits_for(node.input[0])
+            if runs is not None and len(runs) == 1:
+                new_nodes += _gather_nodes(node, runs[0])
+                report.gathers += 1
+                continue
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    drop_dead(graph)
+    if "com.microsoft" not in {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    data = path.name + ".data"
+    (path.parent / data).unlink(missing_ok=True)
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data, size_threshold=1024
+    )
+    logger.debug("ran %d matmuls and %d gathers on stored blocks", report.matmuls, report.gathers)
+    return report
+
+
+def _plain_transb(node: onnx.NodeProto) -> bool:
+    attrs = {a.name: a for a in node.attribute}
+    return (
+        attrs.get("transB") is not None
+        and attrs["transB"].i == 1
+        and ("transA" not in attrs or attrs["transA"].i == 0)
+        and all(attrs[k].f == 1.0 for k in ("alpha", "beta") if k in attrs)
+    )
+
+
+def _axis(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "axis"), 0)
+
+
+def _pack(digit: np.ndarray, block: int) -> np.ndarray:
+    """uint8 [N, K] values < 16 -> [N, K/block, block/2]: weight 2j in the low nibble, 2j+1 high."""
+    n, k = digit.shape
+    pairs = digit.reshape(n, k // block, block // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+
+
+def _add_digits(graph: onnx.GraphProto, name: str, bw: BlockWeight) -> _Digits:
+    n, k = bw.shape
+    scale = bw.scale.astype(np.float64)
+    if bw.bits <= 4:
+        parts = [(bw.codes, scale)]
+        centre = 8.0 * scale
+    else:  # codes = 16*hi + lo
+        parts = [(bw.codes >> 4, 16.0 * scale), (bw.codes & 0x0F, scale)]
+        centre = 136.0 * scale
+    names = []
+    for i, (digit, s) in enumerate(parts):
+        q, sc = f"{name}.q{i}", f"{name}.s{i}"
+        graph.initializer.append(numpy_helper.from_array(_pack(digit, bw.block), q))
+        graph.initializer.append(numpy_helper.from_array(s.astype(np.float32), sc))
+        names.append((q, sc))
+    offset = (bw.offset.astype(np.float64) + centre).astype(np.float32)  # c'
+    off_name = None
+    if offset.any():
+        off_name = f"{name}.c"
+        graph.initializer.append(numpy_helper.from_array(offset, off_name))
+    return _Digits(n, k, bw.block, names, off_name)
+
+
+def _matmul_nodes(node: onnx.NodeProto, runs: list[_Digits], level: int, blocksums: dict) -> list[onnx.NodeProto]:  # type: ignore[type-arg]
+    x, y = node.input[0], node.output[0]
+    nodes: list[onnx.NodeProto] = []
+    outs = []
+    for i, run in enumerate(runs):
+        terms = []
+        for j, (q, s) in enumerate(run.digits):
+            t = f"{y}.r{i}.d{j}"
+            nodes.append(
+                helper.make_node("MatMulNBits", [x, q, s], [t], name=f"{node.name}.r{i}.d{j}", domain="com.microsoft",
+                                 K=run.cols, N=run.rows, bits=4, block_size=run.block, accuracy_level=level)
+            )  # fmt: skip
+            terms.append(t)
+        if run.offset is not None:
+            bsum = _blocksum(x, run.cols, run.block, blocksums, nodes)
+            t = f"{y}.r{i}.c"
+            nodes.append(helper.make_node("Gemm", [bsum, run.offset], [t], name=f"{node.name}.r{i}.c", transB=1))
+            terms.append(t)
+        outs.append(_sum(terms, f"{y}.r{i}" if len(runs) > 1 else y, nodes))
+    if len(runs) > 1:
+        nodes.append(helper.make_node("Concat", outs, [y], name=f"{node.name}.concat", axis=-1))
+    return nodes
+
+
+def _blocksum(x: str, k: int, block: int, cache: dict, nodes: list[onnx.NodeProto]) -> str:  # type: ignore[type-arg]
+    """[M, K] -> [M, K/block] sums of each block of x (one per input and block size)."""
+    if (x, block) not in cache:
+        shape, flat, out = f"{x}.bs{block}.shape", f"{x}.bs{block}.3d", f"{x}.bs{block}"
+        nodes.append(helper.make_node("Constant", [], [shape], value=numpy_helper.from_array(np.asarray([-1, k // block, block], np.int64))))
+        nodes.append(helper.make_node("Reshape", [x, shape], [flat]))
+        nodes.append(helper.make_node("ReduceSum", [flat, _const_axes(nodes, f"{x}.bs{block}.axes", [2])], [out], keepdims=0))
+        cache[(x, block)] = out
+    return cache[(x, block)]  # type: ignore[no-any-return]
+
+
+def _const_axes(nodes: list[onnx.NodeProto], name: str, values: list[int]) -> str:
+    nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(values, np.int64))))
+    return name
+
+
+def _sum(terms: list[str], out: str, nodes: list[onnx.NodeProto]) -> str:
+    if len(terms) == 1:
+        nodes.append(helper.make_node("Identity", terms, [out]))
+    else:
+        acc = terms[0]
+        for j, t in enumerate(terms[1:]):
+            nxt = out if j == len(terms) - 2 else f"{out}.sum{j}"
+            nodes.append(helper.make_node("Add", [acc, t], [nxt]))
+            acc = nxt
+    return out
+
+
+def _gather_nodes(node: onnx.NodeProto, run: _Digits) -> list[onnx.NodeProto]:
+    """Embedding rows from the digit buffers: gather packed rows, unpack nibbles, scale, offset."""
+    ids, y, p = node.input[1], node.output[0], node.output[0] + ".q"
+    nb = run.cols // run.block
+    nodes: list[onnx.NodeProto] = []
+
+    def const(name: str, value: np.ndarray) -> str:
+        nodes.append(helper.make_node("Constant", [], [f"{p}.{name}"], value=numpy_helper.from_array(value)))
+        return f"{p}.{name}"
+
+    lead = f"{p}.lead"
+    nodes.append(helper.make_node("Shape", [ids], [lead]))
+    blocks_shape, row_shape = f"{p}.blocks_shape", f"{p}.row_shape"
+    nodes.append(helper.make_node("Concat", [lead, const("nb_bs", np.asarray([nb, run.block], np.int64))], [blocks_shape], axis=0))
+    nodes.append(helper.make_node("Concat", [lead, const("k", np.asarray([run.cols], np.int64))], [row_shape], axis=0))
+    last = const("last", np.asarray([-1], np.int64))
+    fifteen, four, eight = const("f", np.asarray(15, np.uint8)), const("four", np.asarray(4, np.uint8)), const("eight", np.asarray(8.0, np.float32))
+    terms = []
+    for j, (q, s) in enumerate(run.digits):
+        d = f"{p}.d{j}"
+        nodes += [
+            helper.make_node("Gather", [q, ids], [f"{d}.packed"], axis=0),  # [*ids, nb, block/2]
+            helper.make_node("BitwiseAnd", [f"{d}.packed", fifteen], [f"{d}.lo"]),
+            helper.make_node("BitShift", [f"{d}.packed", four], [f"{d}.hi"], direction="RIGHT"),
+            helper.make_node("Unsqueeze", [f"{d}.lo", last], [f"{d}.lo1"]),
+            helper.make_node("Unsqueeze", [f"{d}.hi", last], [f"{d}.hi1"]),
+            helper.make_node("Concat", [f"{d}.lo1", f"{d}.hi1"], [f"{d}.pairs"], axis=-1),  # [*ids, nb, block/2, 2]
+            helper.make_node("Reshape", [f"{d}.pairs", blocks_shape], [f"{d}.codes"]),  # [*ids, nb, block]
+            helper.make_node("Cast", [f"{d}.codes"], [f"{d}.float"], to=TensorProto.FLOAT),
+            helper.make_node("Sub", [f"{d}.float", eight], [f"{d}.centred"]),
+            helper.make_node("Gather", [s, ids], [f"{d}.scale"], axis=0),  # [*ids, nb]
+            helper.make_node("Unsqueeze", [f"{d}.scale", last], [f"{d}.scale1"]),
+            helper.make_node("Mul", [f"{d}.centred", f"{d}.scale1"], [f"{d}.w"]),
+        ]  # fmt: skip
+        terms.append(f"{d}.w")
+    if run.offset is not None:
+        nodes += [
+            helper.make_node("Gather", [run.offset, ids], [f"{p}.c"], axis=0),
+            helper.make_node("Unsqueeze", [f"{p}.c", last], [f"{p}.c1"]),
+        ]
+        terms.append(f"{p}.c1")
+    _sum(terms, f"{p}.blocks", nodes)
+    nodes.append(helper.make_node("Reshape", [f"{p}.blocks", row_shape], [y], name=node.name))
+    return nodes

@@ -1,0 +1,120 @@
+"""Which weights an engine multiplies by: `--weights source|fp32|int8|int4`, `--activations fp32|int8`.
+
+- `source` (default): a GGUF's quantised matrices run as stored (`specgraph/blocks.py` decodes
+  them, `exporters/nbits.py` runs them); its F32 tensors stay float32. F16/BF16 matrices and
+  every other source (an HF folder, a torch.export file) run in float32, which is what the loader
+  gives them. The reference for "lossless" is the same weights: HF loads a GGUF by dequantising
+  it, so with `--activations fp32` the engine and HF compute the same function to float rounding.
+- `fp32`: everything float32 (a GGUF is dequantised, as before this option existed).
+- `int8` / `int4`: weight-only symmetric round-to-nearest blocks of `--block-size` inputs, made
+  here from a float source. A GGUF is already quantised: requantising it is refused (it would
+  quantise twice and change the model for no gain), use `source`.
+- `--activations int8`: MatMulNBits quantises each row of activations to int8 per block before
+  its integer dot products (accuracy level 4). A different, faster model: its speculative engines
+  still equal its own `none` engine token for token.
+bf16 is not offered: ONNX Runtime's CPU provider has no bf16 matrix kernels, so a bf16 weight
+would be widened to a float32 copy at load, the opposite of the point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from specgraph.errors import InputError
+
+WEIGHTS = ("source", "fp32", "int8", "int4")
+ACTIVATIONS = ("fp32", "int8")
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+_ACCURACY = {"fp32": 1, "int8": 4}  # MatMulNBits accuracy_level
+
+
+def check_weights(weights: str, activations: str, block_size: int) -> None:
+    if weights not in WEIGHTS:
+        raise InputError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+    if activations not in ACTIVATIONS:
+        raise InputError(f"unknown --activations {activations!r}; choose one of: {', '.join(ACTIVATIONS)}")
+    if block_size not in BLOCK_SIZES:
+        raise InputError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size}")
+    if activations == "int8" and weights == "fp32":
+        raise InputError("--activations int8 needs quantised weights: --weights source (a GGUF), int8 or int4")
+
+
+def gguf_file(model: str | Path) -> Path | None:
+    """The GGUF a model name stands for (the default alias is one), else None."""
+    from specgraph.default_model import DEFAULT_MODEL, gguf_path
+
+    if isinstance(model, str) and model == DEFAULT_MODEL:
+        return gguf_path()
+    path = Path(model).expanduser()
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
+
+
+def check_source_weights(model: str | Path, weights: str) -> None:
+    """Refuse, before anything is loaded, what cannot be built from this model's weights."""
+    from specgraph.blocks import FLOAT_FORMATS, GGUF_FORMATS, gguf_formats
+
+    gguf = gguf_file(model)
+    if gguf is None:
+        return
+    try:
+        formats = gguf_formats(str(gguf))
+    except Exception:  # a file the reader cannot parse: the loader names the problem next
+        return
+    quantised = sorted(formats - set(FLOAT_FORMATS))
+    if weights == "source":
+        bad = [f for f in quantised if f not in GGUF_FORMATS]
+        if bad:
+            raise InputError(
+                f"{gguf.name} stores matrices as {', '.join(bad)}, which --weights source cannot run; supported: "
+                f"{', '.join([*GGUF_FORMATS, *FLOAT_FORMATS])} (or pass --weights fp32)"
+            )
+    elif weights in ("int8", "int4") and quantised:
+        raise InputError(
+            f"{gguf.name} is already quantised ({', '.join(quantised)}); --weights {weights} would quantise it "
+            "twice: use --weights source to run its stored blocks, or fp32"
+        )
+
+
+def store_weights(
+    onnx_path: Path,
+    model: str | Path,
+    weights: str,
+    activations: str,
+    block_size: int,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Rewrite the exported engine's matrices for `weights`; return the manifest's `weights` section."""
+    from specgraph import blocks
+    from specgraph.exporters.nbits import run_weights_as_blocks
+
+    say = progress or (lambda _msg: None)
+    section: dict[str, Any] = {"weights": weights, "activations": activations}
+    lookup: Callable[..., Any] | None = None
+    gguf = gguf_file(model)
+    if weights == "source" and gguf is not None:
+        say("index stored blocks")
+        index = blocks.gguf_index(str(gguf))
+        lookup = lambda _name, w: index.match(w)  # noqa: E731
+    elif weights in ("int8", "int4"):
+        bits = 8 if weights == "int8" else 4
+        section["block_size"] = block_size
+        lookup = lambda _name, w: [blocks.quantize(w, bits, block_size)]  # noqa: E731
+    if lookup is None:
+        if activations != "fp32":
+            raise InputError(f"--activations {activations} needs quantised weights; {model} has none stored")
+        section["stored"] = "float32"
+        return section
+    say("store weights as blocks")
+    report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations])
+    section.update(
+        stored="blocks",
+        matmuls=report.matmuls,
+        gathers=report.gathers,
+        formats=report.formats,
+        float32_bytes=report.float_bytes,
+        block_bytes=report.stored_bytes,
+        exact=activations == "fp32",
+    )
+    return section
