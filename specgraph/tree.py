@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import reprlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,10 +99,10 @@ def _checked_paths(paths: Any) -> list[TreePath]:
     seen: set[TreePath] = set()
     for raw in paths:
         if isinstance(raw, str | bytes) or not isinstance(raw, Iterable):
-            raise InputError(f"tree path {raw!r} is not a list of ints")
+            raise InputError(f"tree path {reprlib.repr(raw)} is not a list of ints")
         path = tuple(raw)
         if not all(isinstance(r, int | np.integer) and not isinstance(r, bool) for r in path):
-            raise InputError(f"tree path {raw!r} is not a list of ints")
+            raise InputError(f"tree path {reprlib.repr(raw)} is not a list of ints")
         path = tuple(int(r) for r in path)
         if not path:
             raise InputError("tree path () is empty: the root is implicit and must not be listed")
@@ -173,6 +174,8 @@ def load_tree(path: str | Path) -> Tree:
         raise InputError(f"cannot read tree file {path}: {e}") from None
     except json.JSONDecodeError as e:
         raise InputError(f"tree file {path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InputError(f"tree file {path} is nested too deeply to be a tree (a list of lists of ints)") from None
     if isinstance(data, dict):
         if "paths" not in data:
             raise InputError(f"tree file {path} is an object without a 'paths' key")
@@ -183,6 +186,8 @@ def load_tree(path: str | Path) -> Tree:
         return Tree.from_paths(data)
     except InputError as e:
         raise InputError(f"tree file {path}: {e}") from None
+    except RecursionError:  # a path nested just shallow enough to parse
+        raise InputError(f"tree file {path} is nested too deeply to be a tree (a list of lists of ints)") from None
 
 
 # A small tree for CPU engines, where verify cost climbs early: 12 paths (13 nodes), depth 4,
