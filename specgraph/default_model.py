@@ -188,20 +188,27 @@ def _check_gguf_tensors(config: PretrainedConfig, reader: gguf.GGUFReader, label
 
 
 def _gguf_names(skeleton: PreTrainedModel, reader: gguf.GGUFReader, config: PretrainedConfig) -> dict[str, str] | None:
-    """GGUF tensor name -> model weight name, as transformers' GGUF loader maps them; None for
-    architectures whose loader merges or splits tensors (mixtures of experts, fused QKV)."""
+    """GGUF tensor name -> model weight name, by gguf-py's name map as transformers' GGUF loader
+    uses it at the model's top level; None for architectures whose loader merges or splits
+    tensors (mixtures of experts, fused QKV) or that gguf-py does not know."""
+    import gguf
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     field = reader.fields.get("general.architecture")
     arch = str(bytes(field.parts[field.data[0]]), "utf-8", "replace") if field is not None and field.data else ""
     processor = gguf_utils.TENSOR_PROCESSORS.get(arch, gguf_utils.TensorProcessor)
     one_to_one = (gguf_utils.TensorProcessor, gguf_utils.LlamaTensorProcessor, gguf_utils.Gemma2TensorProcessor)
-    if processor not in one_to_one:
+    key = next((k for k, name in gguf.MODEL_ARCH_NAMES.items() if name == arch), None)
+    if processor not in one_to_one or key is None:
         return None
-    try:
-        return dict(gguf_utils.get_gguf_hf_weights_map(skeleton, processor(config=config.to_dict())))
-    except Exception:  # an architecture gguf-py has no name map for: the strict load still checks
-        return None
+    name_map = gguf.get_tensor_name_map(key, config.get_text_config().num_hidden_layers)
+    names = {}
+    for hf_name in skeleton.state_dict():
+        base, dot, suffix = hf_name.rpartition(".")
+        found = name_map.get_name(base) if suffix in ("weight", "bias") else None
+        if found is not None:
+            names[f"{found}{dot}{suffix}"] = hf_name
+    return names
 
 
 def build_folder_atomically(folder: Path, build: Callable[[Path], object]) -> Path:

@@ -198,7 +198,8 @@ def _load_hf_folder(folder: Path, name: str | None = None) -> LoadedModel:
     _check_loading_info(info, folder)
     has_tokenizer = any((folder / file).is_file() for file in _TOKENIZER_FILES)
     tokenizer_dir = folder if has_tokenizer else None
-    return _from_hf(model.eval(), "hf", name or folder.resolve().name, tokenizer_dir)
+    tokenizer = load_tokenizer(folder) if has_tokenizer else None  # a bad tokenizer fails now, not after export
+    return _from_hf(model.eval(), "hf", name or folder.resolve().name, tokenizer_dir, tokenizer)
 
 
 def _safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
