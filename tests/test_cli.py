@@ -82,10 +82,15 @@ def test_generate_json_and_errors(tiny_bundle, tmp_path):
 
     broken = tmp_path / "broken"
     shutil.copytree(bundle, broken)
-    with open(broken / "model.onnx", "r+b") as f:
+    with open(broken / "model.onnx.data", "r+b") as f:  # the weights: only the checksum can tell
         f.seek(100)
         f.write(b"\x00\x01\x02")
     _one_line_error(_run("generate", str(broken), "--prompt-ids", "1,2", ok=False), "sha256")
+    shutil.copy(bundle / "model.onnx.data", broken / "model.onnx.data")
+    with open(broken / "model.onnx", "r+b") as f:  # the graph: unparseable, or a failed checksum
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    _one_line_error(_run("generate", str(broken), "--prompt-ids", "1,2", ok=False), "model.onnx")
     _one_line_error(_run("generate", str(tmp_path), "--prompt-ids", "1,2", ok=False), "not a specgraph bundle")
 
 
@@ -131,3 +136,67 @@ def test_generate_samples_with_a_seed(tiny_bundle):
 def test_bad_sampling_flags(flags, needle, tiny_bundle):
     proc = _run("generate", str(tiny_bundle("llama", "none")), "--prompt-ids", "1,2", *flags, ok=False)
     _one_line_error(proc, needle)
+
+
+# --- issue 8: one line where a traceback was, and messages that say what happened -----------------
+
+
+def _main_error(capsys, argv: list[str], *needles: str) -> str:
+    """`specgraph.cli.main` in-process: non-zero exit, one stderr line holding `needles`."""
+    from specgraph.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code not in (0, None) and len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("k", [str(2**63), str(2**31), "99999999999999999999999"])
+def test_top_k_too_large_is_one_line(k, capsys, tmp_path):
+    _main_error(capsys, ["generate", str(tmp_path), "--prompt", "x", "--temperature", "0.5", "--top-k", k], "at most")
+    _main_error(capsys, ["bench", str(tmp_path), "--prompts", "chat", "--top-k", k], "--top-k")
+
+
+def test_chat_without_a_template_is_one_line(capsys, monkeypatch, tmp_path):
+    import specgraph.runtime
+
+    class _NoTemplate:
+        chat_template = None
+
+        def apply_chat_template(self, *_a, **_k):
+            raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set\n...")
+
+    class _Engine:
+        def __init__(self, *_a, **_k):
+            self.tokenizer = _NoTemplate()
+            self.manifest = {"tokenizer": "tokenizer", "vocab_size": 8}
+
+    monkeypatch.setattr(specgraph.runtime, "Engine", _Engine)
+    _main_error(capsys, ["generate", str(tmp_path), "--prompt", "hi", "--chat"], "no chat template", "--chat")
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 5])
+def test_pickles_of_every_protocol_are_called_pickles(protocol, capsys, tmp_path):
+    path = tmp_path / "model.pt2"
+    path.write_bytes(pickle.dumps({"weights": [1.0, 2.0], "name": "x"}, protocol=protocol))
+    line = _main_error(capsys, ["inspect", str(path)], "pickle")
+    assert "truncated" not in line and "corrupt" not in line
+
+
+def test_a_mismatched_weight_is_named_not_an_above_report(capsys, tmp_path, tiny_folder):
+    """transformers says "look at the above report" and hides the report; specgraph names the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(100, 64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    line = _main_error(capsys, ["inspect", str(folder)], "model.layers.0.mlp.gate_proj.weight", "[100, 64]")
+    assert "above report" not in line
