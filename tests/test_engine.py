@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from specgraph.errors import InputError
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
 from tests.models.tiny import build
@@ -145,3 +146,77 @@ def test_user_traced_torch_export_file(tmp_path):
         for prompt in PROMPTS[:2]:
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
             assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+
+
+# --- the API checks what the CLI checks (issue 8) --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([1, -1], r"token ids must lie in \[0, 256\) for this model; position 1 holds -1"),
+        ([5, 256], "position 1 holds 256"),
+        ([5, 2**63], "position 1 holds"),
+        ([1, 2.0], "position 1 holds 2.0"),
+        ([1.5], "position 0 holds 1.5"),
+        ([True, 2], "position 0 holds True"),
+        ([1, "2"], "position 1 holds '2'"),
+        ("123", "a prompt is a list of token ids"),
+        (b"123", "a prompt is a list of token ids"),
+        ({1: 2}, "a prompt is a list of token ids"),
+        (np.array([1.0, 2.0]), "a prompt is a list of token ids"),
+        (np.array([[1, 2]]), "a prompt is a list of token ids"),
+        ([], "the prompt is empty"),
+        (None, "a prompt is a list of token ids"),
+    ],
+)
+def test_generate_refuses_what_is_not_a_prompt(tiny_bundle, prompt, message):
+    """Negative ids wrapped around, floats were truncated, a string became its digits, and an
+    out-of-vocabulary id raised ONNX Runtime's own error."""
+    engine = Engine(tiny_bundle("llama", "none"))
+    with pytest.raises(InputError, match=message) as info:
+        engine.generate(prompt, max_new_tokens=2)
+    assert "\n" not in str(info.value)
+    with pytest.raises(InputError, match=message):
+        engine.generate_batch([prompt], max_new_tokens=2)
+
+
+def test_integer_arrays_and_numpy_ints_are_prompts(tiny_bundle):
+    engine = Engine(tiny_bundle("llama", "none"))
+    want = engine.generate(PROMPTS[1], max_new_tokens=4, stop_at_eos=False).output_ids
+    assert engine.generate(np.asarray(PROMPTS[1]), max_new_tokens=4, stop_at_eos=False).output_ids == want
+    numpy_ints = [np.int32(t) for t in PROMPTS[1]]
+    assert engine.generate(tuple(numpy_ints), max_new_tokens=np.int64(4), stop_at_eos=False).output_ids == want
+    batch = engine.generate_batch(np.asarray([PROMPTS[1], PROMPTS[1]]), max_new_tokens=4, stop_at_eos=False)
+    assert [r.output_ids for r in batch] == [want, want]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4", None])
+def test_max_new_tokens_must_be_positive(tiny_bundle, bad):
+    engine = Engine(tiny_bundle("llama", "none"))
+    with pytest.raises(InputError, match="max_new_tokens must be a positive integer"):
+        engine.generate([1, 2, 3], max_new_tokens=bad)
+
+
+@pytest.mark.parametrize("prompts", ["12", [], [[1, 2], [3, -1]], [[1, 2], "34"], 7])
+def test_generate_batch_checks_every_row(tiny_bundle, prompts):
+    engine = Engine(tiny_bundle("llama", "none"))
+    with pytest.raises(InputError):
+        engine.generate_batch(prompts, max_new_tokens=2)
+
+
+def test_rates_are_never_negative():
+    from specgraph.runtime import GenerationResult
+
+    empty = GenerationResult([1], [], steps=0, prefill_s=0.1, decode_s=0.5, stop_reason="max_new_tokens")
+    assert empty.tokens_per_s == 0.0 and empty.mean_accepted == 0.0
+
+
+def test_cli_and_api_refuse_a_prompt_with_the_same_words(tiny_bundle, capsys):
+    from specgraph.cli import main
+
+    bundle = tiny_bundle("llama", "none")
+    with pytest.raises(InputError) as info:
+        Engine(bundle).generate([1, -1])
+    assert main(["generate", str(bundle), "--prompt-ids", "1,-1"]) == InputError.exit_code
+    assert capsys.readouterr().err == f"specgraph generate: error: {info.value}\n"

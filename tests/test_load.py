@@ -147,6 +147,78 @@ def test_folder_without_weights_or_config(tmp_path: Path) -> None:
     assert not isinstance(info.value, UnsafeModelError)
 
 
+def _edit_weights(folder: Path, drop: tuple[str, ...] = (), add: dict[str, torch.Tensor] | None = None) -> None:
+    """Rewrite the folder's model.safetensors without `drop` and with `add`."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v for k, v in load_file(folder / "model.safetensors").items() if k not in drop}
+    save_file(tensors | (add or {}), folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        (
+            ("model.layers.1.mlp.down_proj.weight",),
+            r"lack 1 tensors the model needs \(model.layers.1.mlp.down_proj.weight\)",
+        ),
+        (("lm_head.weight",), r"lack 1 tensors the model needs \(lm_head.weight\)"),  # not tied in this model
+        (
+            (
+                "model.norm.weight",
+                "model.layers.0.input_layernorm.weight",
+                "model.layers.0.self_attn.q_proj.weight",
+                "model.layers.1.self_attn.k_proj.weight",
+            ),
+            r"lack 4 tensors .*, .*, .* and 1 more",
+        ),  # fmt: skip
+        (
+            tuple(
+                f"model.layers.1.{n}"
+                for n in (
+                    "input_layernorm.weight",
+                    "post_attention_layernorm.weight",
+                    "self_attn.q_proj.weight",
+                    "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight",
+                    "self_attn.o_proj.weight",
+                    "mlp.gate_proj.weight",
+                    "mlp.up_proj.weight",
+                    "mlp.down_proj.weight",
+                )
+            ),
+            "asks for 2 layers but the weights hold tensors for 1",
+        ),  # fmt: skip
+    ],
+    ids=["one", "untied-head", "several", "a-whole-layer"],
+)
+def test_missing_weights_are_an_error_naming_them(tmp_path: Path, drop: tuple[str, ...], message: str) -> None:
+    """transformers would leave these random and say so only at debug level."""
+    _tiny_llama().save_pretrained(tmp_path)
+    _edit_weights(tmp_path, drop)
+    with pytest.raises(ModelLoadError, match=message) as info:
+        load_model(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_tied_head_absent_and_unused_tensors_warned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A tied LM head is legitimately absent (stored once), as are non-persistent buffers
+    (rotary inv_freq); an unused extra tensor is ignored with a warning."""
+    model = _tiny_llama(tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and not any("inv_freq" in k for k in f.keys())
+    _edit_weights(tmp_path, add={"extra.scale": torch.ones(3)})
+    with caplog.at_level("WARNING", logger="specgraph.loaders"):
+        loaded = load_model(tmp_path)
+    assert "ignoring 1 tensors the model does not use (extra.scale)" in caplog.text
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded.hf_model(ids).logits, model(ids).logits)
+
+
 # --- torch.export archives --------------------------------------------------------------------
 
 
