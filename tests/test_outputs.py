@@ -293,6 +293,23 @@ def test_compile_replaces_a_folder_only_with_force_and_only_when_done(tiny_folde
     assert check_output(out, BUNDLE) == out  # now ours: a later compile may replace it without --force
 
 
+def test_a_compile_that_fails_half_way_keeps_the_old_bundle(tiny_folder, tmp_path, monkeypatch):
+    from specgraph.compiler import CompileConfig, compile_model
+    from specgraph.errors import ExportError
+
+    old = _fake_bundle(tmp_path / "out")
+    before = tree_hash(tmp_path)
+
+    def failing_export(_engine, _shapes, path):
+        path.write_bytes(b"half an engine")
+        raise ExportError("export failed half way")
+
+    monkeypatch.setattr(specgraph.compiler, "export_onnx", failing_export)
+    with pytest.raises(ExportError):
+        compile_model(CompileConfig(model=str(tiny_folder("llama")), output=old, max_context=32))
+    assert tree_hash(tmp_path) == before  # the old bundle whole, and no staging folder left beside it
+
+
 # --- 6. limits the compiler should know -----------------------------------------------------------
 
 
