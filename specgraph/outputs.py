@@ -138,7 +138,9 @@ def _check_not_input(target: Path, shown: str, raw: str | Path | None) -> None:
     source = Path(raw).expanduser().resolve()
     if target == source or target.is_relative_to(source) or source.is_relative_to(target):
         relation = "is" if target == source else "is inside" if target.is_relative_to(source) else "holds"
-        raise OutputError(f"{shown} {relation} this command's input {raw}; give another output path")
+        raise OutputError(
+            f"refusing to write {shown}: it {relation} {raw}, which this command reads; give another path"
+        )
 
 
 def _check_parent(target: Path, shown: str) -> None:

@@ -120,9 +120,9 @@ def workdir(tmp_path, monkeypatch):
         ("src/pkg/..", "did not make"),  # resolves to src/
         ("src/pkg/../..", "working directory"),
         ("..", "working directory"),
-        ("model", "input"),  # the source model itself
-        ("model/bundle", "inside this command's input"),
-        ("./model/../model", "input"),
+        ("model", "which this command reads"),  # the source model itself
+        ("model/bundle", "is inside"),
+        ("./model/../model", "it is"),
         ("notes.txt", "is a file"),
         ("notes.txt/x", "is a file, not a folder"),
         ("~", "home"),
@@ -151,10 +151,15 @@ def test_force_never_touches_input_or_working_directory(workdir, tripwire, capsy
     heads = workdir / "heads.safetensors"
     heads.write_bytes(b"not heads")
     one_line_error(capsys, ["compile", "model", "--method", "medusa", "--heads", str(heads), "-o", str(heads),
-                            "--force"], "input")  # fmt: skip
-    one_line_error(capsys, ["train", "model", "--prompts", "prompts.jsonl", "-o", "prompts.jsonl", "--force"], "input")
+                            "--force"], "which this command reads")  # fmt: skip
+    one_line_error(
+        capsys,
+        ["train", "model", "--prompts", "prompts.jsonl", "-o", "prompts.jsonl", "--force"],
+        "which this command reads",
+    )
     one_line_error(capsys, ["train", "model", "--prompts", "prompts.jsonl", "-o", "model/model.safetensors", "--force"],
-                   "inside this command's input")  # fmt: skip
+                   "is inside")  # fmt: skip
+    one_line_error(capsys, ["compile", "src/pkg/code.py", "-o", "src", "--force"], "it holds src/pkg/code.py")
     heads.unlink()
     assert tree_hash(workdir) == before
 
@@ -171,7 +176,7 @@ def test_force_lets_the_long_work_start(workdir, tripwire):
 def test_train_refuses_to_overwrite_weights_and_folders(workdir, tripwire, capsys):
     before = tree_hash(workdir)
     train = ["train", "model", "--prompts", "prompts.jsonl", "-o"]
-    one_line_error(capsys, [*train, "model/model.safetensors"], "inside this command's input")
+    one_line_error(capsys, [*train, "model/model.safetensors"], "is inside")
     one_line_error(capsys, [*train, "src"], "is a folder")
     one_line_error(capsys, [*train, "notes.txt"], "not a Medusa heads file")
     one_line_error(capsys, [*train, "notes.txt/heads.safetensors"], "is a file, not a folder")
@@ -184,7 +189,7 @@ def test_train_refuses_to_overwrite_weights_and_folders(workdir, tripwire, capsy
 
 def test_train_api_checks_its_output_first(workdir, tripwire):
     before = tree_hash(workdir)
-    with pytest.raises(OutputError, match="input"):
+    with pytest.raises(OutputError, match="which this command reads"):
         specgraph.train.train_medusa("model", "prompts.jsonl", "model/model.safetensors", progress=False)
     with pytest.raises(Reached):  # a new path is fine: the work starts
         specgraph.train.train_medusa("model", "prompts.jsonl", "new/heads.safetensors", progress=False)
@@ -211,14 +216,14 @@ def test_bench_outputs_are_checked_before_the_run(workdir, tripwire, capsys):
     bench = ["bench", "bundle", "--prompts", "prompts.jsonl"]
     one_line_error(capsys, [*bench, "--json", "src"], "is a folder")
     one_line_error(capsys, [*bench, "--json", "notes.txt"], "not a report written by specgraph bench")
-    one_line_error(capsys, [*bench, "--json", "prompts.jsonl", "--force"], "input")
-    one_line_error(capsys, [*bench, "--json", str(bundle / "r.json")], "inside this command's input")
-    one_line_error(capsys, [*bench, "--json", str(bundle / "manifest.json"), "--force"], "input")
+    one_line_error(capsys, [*bench, "--json", "prompts.jsonl", "--force"], "which this command reads")
+    one_line_error(capsys, [*bench, "--json", str(bundle / "r.json")], "is inside")
+    one_line_error(capsys, [*bench, "--json", str(bundle / "manifest.json"), "--force"], "which this command reads")
     one_line_error(capsys, [*bench, "--plot", "src"], "is a folder")
     one_line_error(capsys, [*bench, "--plot", "photo.png"], "not a plot written by specgraph bench")
     one_line_error(capsys, [*bench, "--plot", "plot.jpg"], "must end in .png")
     one_line_error(capsys, [*bench, "--plot", "x.png", "--json", "x.png"], "same path")
-    one_line_error(capsys, [*bench, "--json", "r.json", "--reference", "bundle/../src/.."], "input")
+    one_line_error(capsys, [*bench, "--json", "r.json", "--reference", "bundle/../src/.."], "is inside")
     assert tree_hash(workdir) == before
 
 
