@@ -127,7 +127,10 @@ class Engine:
         options.log_severity_level = 3  # TensorScatter logs each non-in-place copy as a warning
         graph = self.bundle / self.manifest["graph"]["file"]
         try:
-            self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+            # read_config_from_model=0: session options are ours, never the bundle's (ORT_LOAD_CONFIG_FROM_MODEL)
+            self.session = ort.InferenceSession(
+                str(graph), options, providers=["CPUExecutionProvider"], read_config_from_model=0
+            )
         except Exception as exc:  # ORT raises its own Fail, InvalidGraph, InvalidProtobuf...
             raise BundleError(f"{self.bundle}: ONNX Runtime cannot load {graph.name}: {_first_line(exc)}") from exc
         self.method: str = self.manifest["method"]
