@@ -52,7 +52,7 @@ class _Digits:
     cols: int
     block: int
     digits: list[tuple[str, str]]  # (packed uint8 [N, K/block, block/2], scales float32 [N, K/block])
-    offset: str | None  # float32 [N, K/block], None when every c' is zero
+    offset: str | None  # float32 c'^T [K/block, N], None when every c' is zero
 
 
 def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int) -> NBitsReport:
@@ -80,14 +80,22 @@ def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int) -> NB
 
     blocksums: dict[tuple[str, int], str] = {}
     new_nodes: list[onnx.NodeProto] = []
+    wrapped = _reshape_wrappers(graph)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in graph.input}  # embedding ids: tokens [B, T]
+    dropped: set[str] = set()
     for node in graph.node:
         if node.op_type == "Gemm" and _plain_transb(node) and len(node.input) == 2:
             runs = digits_for(node.input[1])
             if runs is not None:
-                new_nodes += _matmul_nodes(node, runs, accuracy_level, blocksums)
+                x, y = node.input[0], node.output[0]
+                if node.name in wrapped:  # MatMulNBits takes [..., K]: drop gemm.py's flatten/unflatten
+                    flatten, unflatten = wrapped[node.name]
+                    x, y = flatten.input[0], unflatten.output[0]
+                    dropped.update((flatten.name, unflatten.name))
+                new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
                 report.matmuls += 1
                 continue
-        if node.op_type == "Gather" and _axis(node) == 0:
+        if node.op_type == "Gather" and _axis(node) == 0 and ranks.get(node.input[1]) == 2:
             runs = digits_for(node.input[0])
             if runs is not None and len(runs) == 1:
                 new_nodes += _gather_nodes(node, runs[0])
@@ -95,7 +103,7 @@ def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int) -> NB
                 continue
         new_nodes.append(node)
     del graph.node[:]
-    graph.node.extend(new_nodes)
+    graph.node.extend(n for n in new_nodes if n.name not in dropped or not n.name)
     drop_dead(graph)
     if "com.microsoft" not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
@@ -144,7 +152,7 @@ def _add_digits(graph: onnx.GraphProto, name: str, bw: BlockWeight) -> _Digits:
         graph.initializer.append(numpy_helper.from_array(_pack(digit, bw.block), q))
         graph.initializer.append(numpy_helper.from_array(s.astype(np.float32), sc))
         names.append((q, sc))
-    offset = (bw.offset.astype(np.float64) + centre).astype(np.float32)  # c'
+    offset = np.ascontiguousarray((bw.offset.astype(np.float64) + centre).astype(np.float32).T)  # c'^T [K/block, N]
     off_name = None
     if offset.any():
         off_name = f"{name}.c"
@@ -152,8 +160,23 @@ def _add_digits(graph: onnx.GraphProto, name: str, bw: BlockWeight) -> _Digits:
     return _Digits(n, k, bw.block, names, off_name)
 
 
-def _matmul_nodes(node: onnx.NodeProto, runs: list[_Digits], level: int, blocksums: dict) -> list[onnx.NodeProto]:  # type: ignore[type-arg]
-    x, y = node.input[0], node.output[0]
+def _reshape_wrappers(graph: onnx.GraphProto) -> dict[str, tuple[onnx.NodeProto, onnx.NodeProto]]:
+    """Gemm name -> (flatten, unflatten) Reshapes that gemm.py put around it (each used only there)."""
+    by_name = {n.name: n for n in graph.node}
+    out = {}
+    for node in graph.node:
+        if node.op_type != "Gemm":
+            continue
+        flatten, unflatten = by_name.get(f"{node.name}_flatten"), by_name.get(f"{node.name}_unflatten")
+        if flatten is not None and unflatten is not None and flatten.output[0] == node.input[0]:
+            if unflatten.input[0] == node.output[0]:
+                out[node.name] = (flatten, unflatten)
+    return out
+
+
+def _matmul_nodes(name: str, x: str, y: str, runs: list[_Digits], level: int, blocksums: dict,  # type: ignore[type-arg]
+                  graph: onnx.GraphProto) -> list[onnx.NodeProto]:  # fmt: skip
+    """y [..., N] = x [..., K] @ W^T from the runs' digits (row runs concatenated along N)."""
     nodes: list[onnx.NodeProto] = []
     outs = []
     for i, run in enumerate(runs):
@@ -161,35 +184,32 @@ def _matmul_nodes(node: onnx.NodeProto, runs: list[_Digits], level: int, blocksu
         for j, (q, s) in enumerate(run.digits):
             t = f"{y}.r{i}.d{j}"
             nodes.append(
-                helper.make_node("MatMulNBits", [x, q, s], [t], name=f"{node.name}.r{i}.d{j}", domain="com.microsoft",
+                helper.make_node("MatMulNBits", [x, q, s], [t], name=f"{name}.r{i}.d{j}", domain="com.microsoft",
                                  K=run.cols, N=run.rows, bits=4, block_size=run.block, accuracy_level=level)
             )  # fmt: skip
             terms.append(t)
         if run.offset is not None:
-            bsum = _blocksum(x, run.cols, run.block, blocksums, nodes)
+            bsum = _blocksum(x, run.cols, run.block, blocksums, nodes, graph)
             t = f"{y}.r{i}.c"
-            nodes.append(helper.make_node("Gemm", [bsum, run.offset], [t], name=f"{node.name}.r{i}.c", transB=1))
+            nodes.append(helper.make_node("MatMul", [bsum, run.offset], [t], name=f"{name}.r{i}.c"))
             terms.append(t)
         outs.append(_sum(terms, f"{y}.r{i}" if len(runs) > 1 else y, nodes))
     if len(runs) > 1:
-        nodes.append(helper.make_node("Concat", outs, [y], name=f"{node.name}.concat", axis=-1))
+        nodes.append(helper.make_node("Concat", outs, [y], name=f"{name}.concat", axis=-1))
     return nodes
 
 
-def _blocksum(x: str, k: int, block: int, cache: dict, nodes: list[onnx.NodeProto]) -> str:  # type: ignore[type-arg]
-    """[M, K] -> [M, K/block] sums of each block of x (one per input and block size)."""
+def _blocksum(x: str, k: int, block: int, cache: dict, nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> str:  # type: ignore[type-arg]
+    """[..., K] -> [..., K/block] sums of each block of x, as x @ E with E a 0/1 matrix (one per
+    input and block size; E is K*K/block floats, 41 KB for K = 576)."""
     if (x, block) not in cache:
-        shape, flat, out = f"{x}.bs{block}.shape", f"{x}.bs{block}.3d", f"{x}.bs{block}"
-        nodes.append(helper.make_node("Constant", [], [shape], value=numpy_helper.from_array(np.asarray([-1, k // block, block], np.int64))))
-        nodes.append(helper.make_node("Reshape", [x, shape], [flat]))
-        nodes.append(helper.make_node("ReduceSum", [flat, _const_axes(nodes, f"{x}.bs{block}.axes", [2])], [out], keepdims=0))
-        cache[(x, block)] = out
+        ones = f"blocksum.{k}.{block}"
+        if ones not in {t.name for t in graph.initializer}:
+            e = (np.arange(k)[:, None] // block == np.arange(k // block)[None, :]).astype(np.float32)  # [K, K/block]
+            graph.initializer.append(numpy_helper.from_array(e, ones))
+        nodes.append(helper.make_node("MatMul", [x, ones], [f"{x}.bs{block}"]))
+        cache[(x, block)] = f"{x}.bs{block}"
     return cache[(x, block)]  # type: ignore[no-any-return]
-
-
-def _const_axes(nodes: list[onnx.NodeProto], name: str, values: list[int]) -> str:
-    nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(values, np.int64))))
-    return name
 
 
 def _sum(terms: list[str], out: str, nodes: list[onnx.NodeProto]) -> str:
@@ -217,10 +237,18 @@ def _gather_nodes(node: onnx.NodeProto, run: _Digits) -> list[onnx.NodeProto]:
     lead = f"{p}.lead"
     nodes.append(helper.make_node("Shape", [ids], [lead]))
     blocks_shape, row_shape = f"{p}.blocks_shape", f"{p}.row_shape"
-    nodes.append(helper.make_node("Concat", [lead, const("nb_bs", np.asarray([nb, run.block], np.int64))], [blocks_shape], axis=0))
+    nodes.append(
+        helper.make_node(
+            "Concat", [lead, const("nb_bs", np.asarray([nb, run.block], np.int64))], [blocks_shape], axis=0
+        )
+    )
     nodes.append(helper.make_node("Concat", [lead, const("k", np.asarray([run.cols], np.int64))], [row_shape], axis=0))
     last = const("last", np.asarray([-1], np.int64))
-    fifteen, four, eight = const("f", np.asarray(15, np.uint8)), const("four", np.asarray(4, np.uint8)), const("eight", np.asarray(8.0, np.float32))
+    fifteen, four, eight = (
+        const("f", np.asarray(15, np.uint8)),
+        const("four", np.asarray(4, np.uint8)),
+        const("eight", np.asarray(8.0, np.float32)),
+    )
     terms = []
     for j, (q, s) in enumerate(run.digits):
         d = f"{p}.d{j}"
@@ -241,7 +269,8 @@ def _gather_nodes(node: onnx.NodeProto, run: _Digits) -> list[onnx.NodeProto]:
         terms.append(f"{d}.w")
     if run.offset is not None:
         nodes += [
-            helper.make_node("Gather", [run.offset, ids], [f"{p}.c"], axis=0),
+            helper.make_node("Gather", [run.offset, ids], [f"{p}.cT"], axis=1),  # [nb, B, T]
+            helper.make_node("Transpose", [f"{p}.cT"], [f"{p}.c"], perm=[1, 2, 0]),  # [B, T, nb]
             helper.make_node("Unsqueeze", [f"{p}.c", last], [f"{p}.c1"]),
         ]
         terms.append(f"{p}.c1")

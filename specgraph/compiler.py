@@ -40,7 +40,7 @@ from specgraph.passes import (
 from specgraph.step import StepEngine
 from specgraph.step_tree import TreeStepEngine
 from specgraph.tree import Tree, build_tree, load_tree, named_tree
-from specgraph.weights import check_source_weights, check_weights, store_weights
+from specgraph.weights import check_blocks_fit, check_source_weights, check_weights, store_weights
 
 logger = logging.getLogger("specgraph.compiler")
 METHODS = ("none", "lookup", "medusa")
@@ -206,6 +206,7 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
     check_source_weights(cfg.model, cfg.weights)
     say("load")
     loaded = load_model(cfg.model)
+    check_blocks_fit(loaded, cfg.weights, cfg.block_size)
     _check_position_limit(loaded, cfg)
     times["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -118,3 +118,20 @@ def store_weights(
         exact=activations == "fp32",
     )
     return section
+
+
+def check_blocks_fit(loaded: Any, weights: str, block_size: int) -> None:
+    """int8 / int4: every matrix's input dimension must be a whole number of blocks (checked on the
+    loaded model, before the export)."""
+    if weights not in ("int8", "int4"):
+        return
+    if loaded.hf_model is not None:
+        tensors = dict(loaded.hf_model.named_parameters())
+    else:
+        tensors = dict(loaded.program.state_dict)
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and tensor.shape[1] % block_size:
+            raise InputError(
+                f"--block-size {block_size} does not divide the input dimension {tensor.shape[1]} of {name} "
+                f"(shape {tuple(tensor.shape)}); choose a block size that divides it"
+            )
