@@ -67,11 +67,15 @@ def test_logits_match_eager(default):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
-def test_bundle_stores_weights_once(default):
+def test_bundle_runs_the_gguf_blocks_as_stored(default):
+    """--weights source (the default): the Q4_1 matrices and the tied Q8_0 table run as stored,
+    once each, and no float32 copy of them is in the bundle (the fp32 engine's file is 538 MB)."""
     _, bundles = default
     bundle = bundles["none"].bundle
+    weights = bundles["none"].manifest["weights"]
+    assert weights["formats"] == {"Q4_1": 120, "Q8_0": 1} and weights["gathers"] == 1 and weights["exact"]
     data = (bundle / "model.onnx.data").stat().st_size
-    assert 530e6 < data < 545e6  # 134.5M fp32 parameters, the tied head not duplicated
+    assert 110e6 < data < 125e6  # 4-bit digits (Q8_0: two), fp32 scales and offsets, the norms
     assert bundles["none"].manifest["eos_token_ids"] == [2]
 
 
