@@ -317,6 +317,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         for name, counts in report.pass_counts.items():
             print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
         print("  seconds: " + ", ".join(f"{k} {v}" for k, v in report.seconds.items()))
+        if report.weights:
+            print("  " + _weights_line(report.weights))
         if report.medusa:
             m = report.medusa
             print(
@@ -330,6 +332,18 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                     "every step: `specgraph bench --reference` gives the speed-up over plain decoding)"
                 )
     return 0
+
+
+def _weights_line(w: dict[str, Any]) -> str:
+    """One line on what the engine multiplies by, e.g. 'weights: source, stored Q4_1 x120 + Q8_0 x1 ...'."""
+    if w.get("stored") != "blocks":
+        return f"weights: {w['weights']}, float32"
+    formats = " + ".join(f"{k} x{v}" for k, v in sorted(w["formats"].items()))
+    exact = "exact against the dequantised weights" if w["exact"] else "int8 activations: a different model"
+    return (
+        f"weights: {w['weights']}, stored {formats} ({w['block_bytes'] / 1e6:.1f} MB instead of "
+        f"{w['float32_bytes'] / 1e6:.1f} MB float32), {w['activations']} activations, {exact}"
+    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -125,6 +125,7 @@ class CompileReport:
     pass_counts: dict[str, dict[str, int]]
     seconds: dict[str, float] = field(default_factory=dict)
     medusa: dict[str, Any] | None = None
+    weights: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -258,7 +259,7 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     seconds = {k: round(v, 2) for k, v in times.items()}
-    return CompileReport(Path(cfg.output), cfg.method, anatomy.summary(), counts, seconds, body.get("medusa"))
+    return CompileReport(Path(cfg.output), cfg.method, anatomy.summary(), counts, seconds, body.get("medusa"), weights)
 
 
 def _check_position_limit(loaded: LoadedModel, cfg: CompileConfig) -> None:
