@@ -5,10 +5,15 @@ What is measured, and how the figures compare:
   engine calls that made them, so prefill (which makes the first token) is left out;
 - Hugging Face `generate` tokens/s is measured the same way: a streamer stamps the moment each
   token reaches the host, and the rate is (new tokens - 1) / (end - first token);
+- llama.cpp (when llama-cpp-python is installed and the source is a GGUF) runs the same GGUF on the
+  same prompt ids, each prompt right after our engine's run of it, timed the same way (see
+  specgraph/peers.py);
 - the floor is what plain decoding could reach if each token cost exactly one read of the
-  weights: measured read bandwidth / bytes of the bundle's weight file;
+  weights: measured read bandwidth / bytes of the bundle's weight file (every bundle, next to the
+  manifest's `weights` section: what is stored and in which formats);
 - c(N), the verify-cost curve, is the median time of one engine call over N tokens, as a ratio to
-  c(1): speculation pays only where accepted length outgrows c(N)/c(1).
+  c(1): speculation that verifies N tokens a step pays only where its mean accepted length (tau)
+  outgrows c(N)/c(1), the break-even tau.
 With `reference=` (a `none` bundle of the same model), both engines run every prompt in the same
 process, one after the other, and their outputs must be token-identical (the method is lossless).
 """
@@ -22,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +35,14 @@ import torch
 from tqdm import tqdm
 
 from specgraph.errors import InputError, ModelLoadError
+from specgraph.peers import Decoder, llama_cpp_decoder
 from specgraph.runtime import Engine, GenerationResult
 from specgraph.sampling import SamplingParams
 
 SHIPPED_SETS = ("chat", "creative", "repeat")
 _DATA = Path(__file__).with_name("data")
 _WARMUP_TOKENS = 4  # a short generate before timing: ONNX Runtime and torch allocate on the first call
+_LLAMA_CPP_MISSING = "not installed (scripts/install_llamacpp.sh)"
 
 
 # --- prompt sets ---------------------------------------------------------------------------------
@@ -247,14 +255,21 @@ def verify_cost_curve(
     engine: Engine, ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), cache_len: int = 128, repeats: int = 10
 ) -> dict[str, Any]:
     """c(N) of the engine at context `cache_len`: {"cache_len", "ms": {N: ms}, "ratio": {N: c(N)/c(1)},
-    "skipped": [N...]}. N that do not fit in the engine's maximum context are skipped; N=1 is
-    always timed (the ratios need it). Times are medians over `repeats` interleaved rounds."""
+    "break_even_tau": {N: tau}, "skipped": [N...]}. N that do not fit in the engine's maximum
+    context are skipped; N=1 is always timed (the ratios need it). Times are medians over
+    `repeats` interleaved rounds.
+
+    break_even_tau[N] is the mean accepted length (tokens per step) at which a step verifying N
+    tokens just pays against plain decoding: tau / c(N) = 1 / c(1), so tau = c(N)/c(1) (drafting
+    taken as free). A chain of N verified tokens accepts at most N a step, so where the ratio
+    reaches N that size never pays."""
     fits = [n for n in sorted(set(ns) | {1}) if cache_len + n <= engine.max_context]
     ms = _interleaved_ms(engine, [(n, cache_len) for n in fits], repeats)
     by_n = {n: ms[(n, cache_len)] for n in fits}
     base = by_n.get(1)
     ratio = {n: t / base for n, t in by_n.items()} if base else {}
-    return {"cache_len": cache_len, "ms": by_n, "ratio": ratio, "skipped": [n for n in ns if n not in fits]}
+    return {"cache_len": cache_len, "ms": by_n, "ratio": ratio, "break_even_tau": dict(ratio),
+            "skipped": [n for n in ns if n not in fits]}  # fmt: skip
 
 
 def context_scaling(engine: Engine, contexts: tuple[int, ...] = (128, 1024), repeats: int = 10) -> dict[str, Any]:
@@ -281,6 +296,32 @@ def _weight_bytes(engine: Engine) -> int:
     graph = engine.bundle / engine.manifest["graph"]["file"]
     data = graph.with_name(graph.name + ".data")
     return (data if data.is_file() else graph).stat().st_size
+
+
+def _weights(engine: Engine, engine_tps: float, bandwidth_gb_s: float | None) -> dict[str, Any]:
+    """The manifest's `weights` section (what is stored, in which formats), the bytes a token
+    streams (the weight file: every matrix is read once a step; an untied embedding table, read
+    one row a token, is over-counted), and with a measured bandwidth the floor and the ratio to it."""
+    section: dict[str, Any] = dict(engine.manifest.get("weights") or {})
+    section["bytes_per_token"] = _weight_bytes(engine)
+    if bandwidth_gb_s is not None:
+        floor = bandwidth_gb_s * 1e9 / section["bytes_per_token"]
+        section.update(
+            bandwidth_gb_s=round(bandwidth_gb_s, 3),
+            floor_tokens_per_s=round(floor, 3),
+            engine_vs_floor=round(engine_tps / floor, 3),
+        )
+    return section
+
+
+def _peak_rss_mb() -> float | None:
+    """Peak resident memory of this process so far, in MB (1e6 bytes); None where unknown."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6, 1)
 
 
 def _load_hf_model(source: str) -> Any:
@@ -320,11 +361,12 @@ def run_bench(
     bundle and in the reference alike, so a lossless engine still matches the reference token
     for token.
 
-    With `baseline` and a `none` bundle it also measures the yardsticks: HF `generate` on the
-    same prompts, read bandwidth and the floor it implies, the verify-cost curve and context
-    scaling. With `reference` (a `none` bundle of the same model) that engine runs the same
-    prompts too, for the speed-up and a token-identity check. Prompts that do not fit in the
-    maximum context are skipped and listed."""
+    Every report has the bundle's `weights` (what is stored, bytes per token); with `baseline`
+    also the read bandwidth and the floor it implies. With `baseline` and a `none` bundle it also
+    measures the yardsticks: HF `generate` and llama.cpp (on a GGUF source, when installed) on
+    the same prompts, the verify-cost curve and context scaling. With `reference` (a `none`
+    bundle of the same model) that engine runs the same prompts too, for the speed-up and a
+    token-identity check. Prompts that do not fit in the maximum context are skipped and listed."""
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if threads < 1:
@@ -341,7 +383,18 @@ def run_bench(
     if not runnable:
         raise InputError(f"no prompt of {prompts} is shorter than the maximum context ({room} tokens)")
 
-    runs, ref_runs, wall_s = _generate_all(engine, ref, runnable, max_new_tokens, stop_at_eos, progress, params)
+    _warm_up(engine, ref, runnable[0][1], params)
+    rss_engines = _peak_rss_mb()  # before llama.cpp, the HF model or the bandwidth matrix
+    yardsticks = baseline and engine.method == "none"
+    peer, peer_head = _llama_cpp_peer(engine, runnable, max_new_tokens, threads) if yardsticks else (None, {})
+    runs, ref_runs, peer_runs, wall_s = _generate_all(
+        engine, ref, peer, runnable, max_new_tokens, stop_at_eos, progress, params
+    )
+    engine_tps = statistics.median(r.tokens_per_s for r in runs)
+    bandwidth = None
+    if baseline:
+        _say(progress, f"measuring read bandwidth ({bandwidth_mb} MiB, {threads} threads)")
+        bandwidth = measure_bandwidth(threads, bandwidth_mb)
     result: dict[str, Any] = {
         "bundle": str(engine.bundle),
         "method": engine.method,
@@ -359,44 +412,124 @@ def run_bench(
         "skipped_prompts": [i for i, ids in enumerate(all_ids) if not 0 < len(ids) < room],
         "per_prompt": [_row(i, run) for (i, _), run in zip(runnable, runs, strict=True)],
         "aggregate": _aggregate(runs, wall_s, _draft_depth(engine)),
+        "weights": _weights(engine, engine_tps, bandwidth),
     }
-    if baseline and engine.method == "none":
-        result["baseline"] = _baseline(engine, runnable, runs, max_new_tokens, threads, progress, bandwidth_mb, params)
+    if yardsticks:
+        result["baseline"] = _baseline(engine, runnable, runs, max_new_tokens, threads, progress, params)
+        result["baseline"].update(_llama_cpp_section(peer_head, runs, peer_runs, params))
     if ref is not None:
         result["reference"] = _compare(ref, runnable, runs, ref_runs, result["per_prompt"])
+    # the whole run's peak, and the peak with only our engines loaded and warmed up
+    result["environment"].update(peak_rss_mb=_peak_rss_mb(), peak_rss_mb_engines=rss_engines)
     return result
+
+
+def _warm_up(engine: Engine, ref: Engine | None, ids: list[int], params: SamplingParams) -> None:
+    """One short generate per engine before anything is timed (ONNX Runtime allocates on the first call)."""
+    for e in (engine, ref):
+        if e is not None:
+            e.generate(ids, max_new_tokens=_WARMUP_TOKENS, stop_at_eos=False, **params.as_dict())
 
 
 def _generate_all(
     engine: Engine,
     ref: Engine | None,
+    peer: Decoder | None,
     runnable: list[tuple[int, list[int]]],
     max_new_tokens: int,
     stop_at_eos: bool,
     progress: bool,
     params: SamplingParams,
-) -> tuple[list[GenerationResult], list[GenerationResult], float]:
-    """Every prompt through the engine (and the reference right after it, so both see the same
-    machine state); one short warm-up each first. Returns the runs and the engine's wall time."""
+) -> tuple[list[GenerationResult], list[GenerationResult], list[GenerationResult], float]:
+    """Every prompt through the engine, then the reference and the peer (llama.cpp) right after
+    it, so all see the same machine state and drift hits them alike. Returns the runs of each
+    and the engine's wall time."""
 
-    def options(index: int) -> dict[str, Any]:
-        return params.as_dict() | {"seed": None if params.seed is None else params.seed + index}
+    def seeded(index: int) -> SamplingParams:
+        return params if params.seed is None else replace(params, seed=params.seed + index)
 
-    for e in (engine, ref):
-        if e is not None:
-            e.generate(runnable[0][1], max_new_tokens=_WARMUP_TOKENS, stop_at_eos=False, **options(0))
     runs: list[GenerationResult] = []
     ref_runs: list[GenerationResult] = []
+    peer_runs: list[GenerationResult] = []
     wall_s = 0.0
     bar = tqdm(runnable, desc=f"bench {engine.method}", unit="prompt", file=sys.stderr, disable=not progress)
     for index, ids in bar:
+        options = seeded(index).as_dict()
         start = time.perf_counter()
-        runs.append(engine.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options(index)))
+        runs.append(engine.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options))
         wall_s += time.perf_counter() - start
         if ref is not None:
-            ref_runs.append(ref.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options(index)))
+            ref_runs.append(ref.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options))
+        if peer is not None:
+            peer_runs.append(peer(ids, max_new_tokens, seeded(index)))
         bar.set_postfix(tok_s=f"{runs[-1].tokens_per_s:.1f}")
-    return runs, ref_runs, wall_s
+    return runs, ref_runs, peer_runs, wall_s
+
+
+def _llama_cpp_peer(
+    engine: Engine, runnable: list[tuple[int, list[int]]], max_new_tokens: int, threads: int
+) -> tuple[Decoder | None, dict[str, Any]]:
+    """llama.cpp loaded on the bundle's source GGUF and warmed up, with the head of its report
+    section; (None, {"note": why}) where it cannot run. Never raises: it is a yardstick."""
+    from specgraph.weights import gguf_file
+
+    source = engine.manifest["source"].get("path") or engine.manifest["source"].get("name")
+    try:
+        gguf = gguf_file(source) if source else None
+    except Exception as exc:  # the default alias without its package: nothing to run
+        return None, {"note": f"not run: no GGUF for {source} ({type(exc).__name__}: {exc})"}
+    if gguf is None:
+        return None, {"note": f"not run: the source {source} is not a GGUF"}
+    n_ctx = max(len(ids) for _, ids in runnable) + max_new_tokens + 1
+    try:
+        decode = llama_cpp_decoder(gguf, threads, n_ctx)
+        decode(runnable[0][1], _WARMUP_TOKENS, SamplingParams())
+    except ModuleNotFoundError as exc:
+        if exc.name == "llama_cpp":
+            return None, {"note": _LLAMA_CPP_MISSING}
+        return None, {"error": f"llama.cpp unavailable: {type(exc).__name__}: {exc}"}
+    except Exception as exc:  # a broken build or a file llama.cpp cannot load: report, never fail
+        return None, {"error": f"llama.cpp failed on {gguf}: {type(exc).__name__}: {exc}"}
+    return decode, {"gguf": str(gguf), "version": _version("llama-cpp-python"), "threads": threads}
+
+
+def _llama_cpp_section(
+    head: dict[str, Any], runs: list[GenerationResult], peer_runs: list[GenerationResult], params: SamplingParams
+) -> dict[str, Any]:
+    """{"llama_cpp": its rates and how many outputs equal ours, "engine_vs_llama_cpp": ratio}.
+    Outputs need not be equal: llama.cpp quantises activations for its dot products."""
+    if not peer_runs:
+        return {"llama_cpp": head, "engine_vs_llama_cpp": None}
+    tps = [round(r.tokens_per_s, 3) for r in peer_runs]
+    median = statistics.median(tps)
+    engine_tps = statistics.median(r.tokens_per_s for r in runs)
+    section = head | {
+        "median_tokens_per_s": round(median, 3),
+        "tokens_per_s": tps,
+        "median_prefill_s": round(statistics.median(r.prefill_s for r in peer_runs), 5),
+        "matching_outputs": _matching(runs, [r.output_ids for r in peer_runs]) if params.greedy else None,
+        "compared": len(peer_runs),
+    }
+    return {"llama_cpp": section, "engine_vs_llama_cpp": round(engine_tps / median, 3) if median > 0 else None}
+
+
+def _matching(runs: list[GenerationResult], others: list[list[int]]) -> int:
+    """Prompts whose engine output another engine reproduces: up to the engine's EOS, which the
+    other (run for exactly max_new_tokens tokens) does not stop at."""
+    count = 0
+    for run, new in zip(runs, others, strict=True):
+        mine = run.output_ids[:-1] if run.stop_reason == "eos" else run.output_ids
+        count += new[: len(mine)] == mine
+    return count
+
+
+def _version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def _row(index: int, run: GenerationResult) -> dict[str, Any]:
@@ -482,24 +615,13 @@ def _baseline(
     max_new_tokens: int,
     threads: int,
     progress: bool,
-    bandwidth_mb: int,
     params: SamplingParams,
 ) -> dict[str, Any]:
-    """The yardsticks for a plain (`none`) engine: HF generate, the bandwidth floor, c(N), context scaling."""
+    """The yardsticks for a plain (`none`) engine: HF generate, c(N), context scaling."""
     engine_tps = statistics.median(r.tokens_per_s for r in runs)
     out: dict[str, Any] = {"hf": _hf_baseline(engine, runnable, runs, max_new_tokens, threads, progress, params)}
     hf_tps = out["hf"].get("median_tokens_per_s")
     out["engine_vs_hf"] = round(engine_tps / hf_tps, 3) if hf_tps else None
-    _say(progress, f"measuring read bandwidth ({bandwidth_mb} MiB, {threads} threads)")
-    bandwidth = measure_bandwidth(threads, bandwidth_mb)
-    weight_bytes = _weight_bytes(engine)
-    floor = bandwidth * 1e9 / weight_bytes
-    out.update(
-        bandwidth_gb_s=round(bandwidth, 3),
-        weight_bytes=weight_bytes,
-        floor_tokens_per_s=round(floor, 3),
-        engine_vs_floor=round(engine_tps / floor, 3),
-    )
     _say(progress, "timing the verify-cost curve and context scaling")
     out["verify_cost"] = _rounded(verify_cost_curve(engine))
     out["context_scaling"] = _rounded(context_scaling(engine))
@@ -529,12 +651,7 @@ def _hf_baseline(
         hf = _hf_generate(model, [ids for _, ids in runnable], max_new_tokens, threads, progress, params)
     except Exception as exc:  # the baseline is optional: loaders and transformers raise many kinds
         return {"error": f"HF baseline unavailable for {source}: {type(exc).__name__}: {exc}"}
-    matching = None
-    if params.greedy:
-        matching = 0
-        for run, (_, hf_new) in zip(runs, hf, strict=True):
-            mine = run.output_ids[:-1] if run.stop_reason == "eos" else run.output_ids
-            matching += hf_new[: len(mine)] == mine
+    matching = _matching(runs, [new for _, new in hf]) if params.greedy else None
     tps = [round(t, 3) for t, _ in hf]
     return {
         "source": str(source),
@@ -619,6 +736,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"  |  {agg['total_new_tokens']} tokens in {agg['total_s']:.2f} s"
         f" (prefill {agg['total_prefill_s']:.2f} s, decode {agg['total_decode_s']:.2f} s)",
     ]
+    if "weights" in result:  # reports written before the weights section have the floor in the baseline
+        lines.append(_format_weights(result["weights"]))
     if "baseline" in result:
         lines += _format_baseline(result["baseline"])
     if with_ref:
@@ -651,15 +770,23 @@ def _format_baseline(base: dict[str, Any]) -> list[str]:
             + (f"  (same greedy output on {hf['matching_outputs']}/{hf['compared']} prompts)"
                if hf["matching_outputs"] is not None else "  (sampled: HF's random stream differs)")
         )  # fmt: skip
-    lines = [
-        hf_line,
-        f"read bandwidth {base['bandwidth_gb_s']:.1f} GB/s over {base['weight_bytes'] / 1e6:.1f} MB of weights:"
-        f" floor {base['floor_tokens_per_s']:.1f} tok/s; engine {base['engine_vs_floor']:.2f}x the floor",
-    ]
+    lines = [hf_line]
+    if "llama_cpp" in base:
+        lines.append(_format_llama_cpp(base["llama_cpp"], base.get("engine_vs_llama_cpp")))
+    if "floor_tokens_per_s" in base:  # a report written before the weights section
+        lines.append(
+            f"read bandwidth {base['bandwidth_gb_s']:.1f} GB/s over {base['weight_bytes'] / 1e6:.1f} MB of weights:"
+            f" floor {base['floor_tokens_per_s']:.1f} tok/s; engine {base['engine_vs_floor']:.2f}x the floor"
+        )
     cost = base["verify_cost"]
     if cost["ms"]:
         points = "  ".join(f"{n}:{ms:.2f}ms/{cost['ratio'][n]:.2f}x" for n, ms in cost["ms"].items())
         lines.append(f"verify cost c(N) at context {cost['cache_len']}: {points}")
+    if cost.get("break_even_tau"):
+        points = "  ".join(
+            f"{n}:{tau:.2f}" + ("(never)" if tau >= int(n) > 1 else "") for n, tau in cost["break_even_tau"].items()
+        )
+        lines.append(f"break-even tau c(N)/c(1) (mean accepted tokens a step for N verified tokens to pay): {points}")
     scaling = base["context_scaling"]
     points = "  ".join(f"{c}:{ms:.2f}ms" for c, ms in scaling["ms"].items())
     skipped = (
@@ -667,6 +794,38 @@ def _format_baseline(base: dict[str, Any]) -> list[str]:
     )
     lines.append(f"one step by context: {points or '-'}{skipped}")
     return lines
+
+
+def _format_weights(w: dict[str, Any]) -> str:
+    """`weights: source (Q4_1 x120, Q8_0 x1), fp32 activations, 118.6 MB per token; ... floor ...`."""
+    formats = w.get("formats") or {}
+    stored = ", ".join(f"{f} x{n}" for f, n in sorted(formats.items(), key=lambda kv: (-kv[1], kv[0])))
+    stored = stored or w.get("stored") or "not recorded"
+    block = f", block {w['block_size']}" if w.get("block_size") else ""
+    line = (
+        f"weights: {w.get('weights', '?')} ({stored}{block}), {w.get('activations', '?')} activations,"
+        f" {w['bytes_per_token'] / 1e6:.1f} MB per token"
+    )
+    if "floor_tokens_per_s" in w:
+        line += (
+            f"; read bandwidth {w['bandwidth_gb_s']:.1f} GB/s: floor {w['floor_tokens_per_s']:.1f} tok/s;"
+            f" engine {w['engine_vs_floor']:.2f}x the floor"
+        )
+    return line
+
+
+def _format_llama_cpp(peer: dict[str, Any], ratio: float | None) -> str:
+    if "median_tokens_per_s" not in peer:
+        return f"llama.cpp: {peer.get('note') or peer.get('error')}"
+    same = (
+        f"same greedy output on {peer['matching_outputs']}/{peer['compared']} prompts; it quantises activations"
+        if peer["matching_outputs"] is not None
+        else "sampled: its own sampler and random stream"
+    )
+    return (
+        f"llama.cpp {peer.get('version') or '?'} on {Path(peer['gguf']).name}: median {peer['median_tokens_per_s']:.1f}"
+        f" tok/s (decode only); engine {_num(ratio, '.2f')}x  ({same})"
+    )
 
 
 def _num(value: float | None, spec: str) -> str:

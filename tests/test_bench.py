@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,9 @@ from specgraph.bench import (
 from specgraph.errors import InputError
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams
+from tests.models.tiny_gguf import write_llama_gguf
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 PROMPT_IDS = [
     [5, 6, 7, 8, 5, 6, 7, 9, 5, 6],  # repeats: lookup drafts something useful
@@ -142,6 +146,7 @@ def test_verify_cost_curve_and_context_scaling_skip_what_does_not_fit(tiny_bundl
     curve = verify_cost_curve(engine, ns=(1, 2, 4, room), cache_len=8, repeats=2)
     assert list(curve["ms"]) == [1, 2, 4] and curve["skipped"] == [room]
     assert curve["ratio"][1] == 1.0 and all(ms > 0 for ms in curve["ms"].values())
+    assert curve["break_even_tau"] == curve["ratio"]  # tau / c(N) = 1 / c(1)
     scaling = context_scaling(engine, contexts=(8, room), repeats=2)
     assert list(scaling["ms"]) == [8] and scaling["skipped"] == [room]
 
@@ -170,14 +175,25 @@ def test_run_bench_none_with_baseline(tiny_bundle, ids_file, capsys):
     assert hf["source"] == str(Engine(tiny_bundle("llama", "none")).manifest["source"]["path"])
     assert len(hf["tokens_per_s"]) == 3 and hf["median_tokens_per_s"] > 0
     assert hf["matching_outputs"] == hf["compared"] == 3  # the engine is greedy decoding of the same model
-    assert base["bandwidth_gb_s"] > 0 and base["floor_tokens_per_s"] > 0 and base["weight_bytes"] > 0
-    assert base["engine_vs_hf"] > 0 and base["engine_vs_floor"] > 0
-    assert 1 in base["verify_cost"]["ms"] and base["verify_cost"]["ratio"][1] == 1.0
+    assert base["engine_vs_hf"] > 0
+    weights = result["weights"]
+    assert weights["weights"] == "source" and weights["stored"] == "float32"  # an HF folder keeps its dtype
+    assert weights["bytes_per_token"] > 0 and weights["bandwidth_gb_s"] > 0
+    assert weights["floor_tokens_per_s"] > 0 and weights["engine_vs_floor"] > 0
+    cost = base["verify_cost"]
+    assert list(cost["ms"]) == [1, 2, 4, 8, 16, 32] and cost["skipped"] == [64]  # 128 + 64 > 160 tokens of context
+    assert cost["ratio"][1] == 1.0 and cost["break_even_tau"] == cost["ratio"]
     assert 1024 in base["context_scaling"]["skipped"]  # the tiny bundle's context is shorter
+    assert base["llama_cpp"] == {"note": f"not run: the source {hf['source']} is not a GGUF"}
+    assert base["engine_vs_llama_cpp"] is None
+    env = result["environment"]
+    assert env["peak_rss_mb"] >= env["peak_rss_mb_engines"] > 0
     assert "bench none" in capsys.readouterr().err  # the progress bar
 
     report = format_report(result)
-    assert "median" in report and "HF generate" in report and "floor" in report
+    assert "median" in report and "HF generate" in report and "break-even tau" in report
+    assert "weights: source (float32), fp32 activations" in report and "the floor" in report
+    assert "llama.cpp: not run: the source" in report
     assert format_report(json.loads(json.dumps(result))) == report  # also after a JSON round trip
 
 
@@ -190,8 +206,10 @@ def test_run_bench_lookup_against_reference_is_lossless(tiny_bundle, ids_file):
         progress=False,
         reference=str(tiny_bundle("llama", "none")),
         stop_at_eos=False,
+        bandwidth_mb=64,
     )
     assert result["method"] == "lookup" and "baseline" not in result
+    assert result["weights"]["floor_tokens_per_s"] > 0  # bytes and floor for every bundle
     ref = result["reference"]
     assert ref["method"] == "none"
     assert ref["identical_outputs"] is True and ref["first_mismatch"] is None
@@ -253,6 +271,93 @@ def test_run_bench_reports_a_failed_hf_baseline_instead_of_crashing(tiny_bundle,
     assert "no model here" in result["baseline"]["hf"]["error"]
     assert result["baseline"]["engine_vs_hf"] is None
     assert "HF baseline unavailable" in format_report(result)
+
+
+# --- a GGUF source: stored blocks and llama.cpp side by side -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the tiny Q4_1/Q8_0 GGUF, its `none` bundle at the default --weights source)."""
+    from specgraph.compiler import CompileConfig, compile_model
+
+    folder = tmp_path_factory.mktemp("gguf")
+    gguf = write_llama_gguf(folder / "tiny.gguf", "Q4_1", "Q8_0")
+    compile_model(CompileConfig(model=str(gguf), output=folder / "none", method="none", max_context=160))
+    return gguf, folder / "none"
+
+
+def _bench_gguf(bundle: Path, ids_file: Path, **kw) -> dict:
+    return run_bench(str(bundle), str(ids_file), max_new_tokens=NEW_TOKENS, threads=1, progress=False,
+                     bandwidth_mb=64, stop_at_eos=False, **kw)  # fmt: skip
+
+
+def test_run_bench_reports_the_stored_formats_and_their_bytes(gguf_bundle, ids_file, monkeypatch):
+    _, bundle = gguf_bundle
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # the peer is tested below; keep this one quick
+    result = _bench_gguf(bundle, ids_file)
+    weights = result["weights"]
+    manifest = Engine(bundle).manifest["weights"]
+    assert {k: weights[k] for k in manifest} == manifest  # the manifest's section, as it is
+    assert weights["stored"] == "blocks" and weights["formats"]["Q8_0"] == 1 and weights["formats"]["Q4_1"] > 1
+    assert weights["block_bytes"] <= weights["bytes_per_token"] < weights["float32_bytes"]
+    assert weights["floor_tokens_per_s"] > 0 and weights["engine_vs_floor"] > 0
+    report = format_report(result)
+    assert f"weights: source (Q4_1 x{weights['formats']['Q4_1']}, Q8_0 x1), fp32 activations, " in report
+    assert format_report(json.loads(json.dumps(result))) == report
+
+
+@pytest.mark.parametrize("how", ["missing", "broken"])
+def test_run_bench_goes_on_without_llama_cpp(gguf_bundle, ids_file, monkeypatch, how):
+    _, bundle = gguf_bundle
+    if how == "missing":
+        monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ModuleNotFoundError
+    else:
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("Failed to load shared library")
+
+        monkeypatch.setattr(bench, "llama_cpp_decoder", broken)
+    result = _bench_gguf(bundle, ids_file)
+    base = result["baseline"]
+    assert base["engine_vs_llama_cpp"] is None and base["hf"]["matching_outputs"] == 3
+    report = format_report(result)
+    if how == "missing":
+        assert base["llama_cpp"] == {"note": "not installed (scripts/install_llamacpp.sh)"}
+        assert "llama.cpp: not installed (scripts/install_llamacpp.sh)" in report
+    else:
+        assert "Failed to load shared library" in base["llama_cpp"]["error"]
+        assert "llama.cpp failed on" in report
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
+def test_run_bench_runs_llama_cpp_on_the_same_gguf(gguf_bundle, ids_file):
+    gguf, bundle = gguf_bundle
+    result = _bench_gguf(bundle, ids_file)
+    peer = result["baseline"]["llama_cpp"]
+    assert "error" not in peer and "note" not in peer, peer
+    assert peer["gguf"] == str(gguf) and peer["version"] and peer["threads"] == 1
+    assert len(peer["tokens_per_s"]) == peer["compared"] == 3
+    assert all(tps > 0 for tps in peer["tokens_per_s"]) and peer["median_tokens_per_s"] > 0
+    assert 0 <= peer["matching_outputs"] <= 3  # it quantises activations: equal outputs are not promised
+    assert result["baseline"]["engine_vs_llama_cpp"] > 0
+    report = format_report(result)
+    assert "llama.cpp " in report and "tok/s (decode only); engine" in report
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
+def test_llama_cpp_decoder_makes_exactly_max_new_tokens(gguf_bundle):
+    from specgraph.peers import llama_cpp_decoder
+
+    gguf, _ = gguf_bundle
+    decode = llama_cpp_decoder(gguf, threads=1, n_ctx=64)
+    first = decode(PROMPT_IDS[1], 8, SamplingParams())
+    assert len(first.output_ids) == 8 and first.steps == 7 and first.stop_reason == "max_new_tokens"
+    assert first.prefill_s > 0 and first.decode_s > 0 and first.tokens_per_s > 0
+    assert all(0 <= t < 256 for t in first.output_ids)
+    assert decode(PROMPT_IDS[1], 8, SamplingParams()).output_ids == first.output_ids  # greedy, fresh cache each run
+    sampled = decode(PROMPT_IDS[1], 8, SamplingParams(temperature=1.0, seed=5))
+    assert len(sampled.output_ids) == 8
 
 
 def test_run_bench_skips_prompts_longer_than_the_context(tiny_bundle, tmp_path):
