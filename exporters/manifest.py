@@ -14,29 +14,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import onnx
 
 from specgraph.errors import BundleError
+from specgraph.exporters.manifest_schema import InvalidManifest, check_manifest, check_relative_path
 
 FORMAT_VERSION = 2  # 2: files map to {size, sha256}; paths are confined to the bundle
 MANIFEST = "manifest.json"
 # A bundle holds data only: the ONNX graph and its weights, JSON, and tokenizer vocabularies
 # (.txt merges, .model sentencepiece protobufs, .jinja chat templates). Never code.
 DATA_SUFFIXES = frozenset({".onnx", ".data", ".json", ".txt", ".model", ".jinja"})
-METHODS = ("none", "lookup", "medusa")  # the methods specgraph.runtime can run
-MAX_CONTEXT = 131072  # the compiler's --max-context bound
-MAX_VOCAB = 1 << 21  # 8x the largest vocabulary in use (Gemma 3: 262,144)
-DEFAULT_ALIAS = "smollm2-135m"  # specgraph.default_model.DEFAULT_MODEL (which imports torch)
 _MAX_MANIFEST_BYTES = 16 << 20
-_MAX_FILES = 4096
-_MAX_KV_WIDTH = 1 << 16  # a cache tensor holds at most this many values per slot (heads x head dim)
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool"}
 
 
@@ -125,213 +118,9 @@ def _load(bundle: Path) -> dict[str, Any]:
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise BundleError(
-            f"{bundle} has bundle format {_show(version)}; this specgraph reads {FORMAT_VERSION}: recompile it"
+            f"{bundle} has bundle format {repr(version)[:40]}; this specgraph reads {FORMAT_VERSION}: recompile it"
         )
     return manifest
-
-
-# --- the schema ---------------------------------------------------------------------------------
-
-
-class _Invalid(Exception):
-    """A manifest value that breaks the schema: where it is, what was expected, what was found."""
-
-    def __init__(self, key: str, expected: str, value: Any) -> None:
-        super().__init__(f"manifest key {key}: expected {expected}, got {_show(value)}")
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "nothing (the key is missing)"
-
-
-Rule = Callable[[Any, str], None]
-
-
-def _int(lo: int, hi: int) -> Rule:
-    def check(value: Any, key: str) -> None:
-        if type(value) is not int or not lo <= value <= hi:
-            raise _Invalid(key, f"an integer in [{lo}, {hi}]", value)
-
-    return check
-
-
-def _str(value: Any, key: str) -> None:
-    if not isinstance(value, str) or not 0 < len(value) <= 4096:
-        raise _Invalid(key, "a non-empty string", value)
-
-
-def _dict(value: Any, key: str) -> None:
-    if not isinstance(value, dict):
-        raise _Invalid(key, "an object", value)
-
-
-def _relative_path(value: Any, key: str) -> None:
-    """A path inside the bundle: relative, '/'-separated, no '.', '..' or empty parts."""
-    parts = value.split("/") if isinstance(value, str) else []
-    if (
-        not isinstance(value, str)
-        or not 0 < len(value) <= 1024
-        or any(part in ("", ".", "..") for part in parts)
-        or "\\" in value
-        or "\0" in value
-        or re.match(r"[A-Za-z]:", value)
-    ):
-        raise _Invalid(key, "a relative path inside the bundle", value)
-
-
-def _source_path(value: Any, key: str) -> None:
-    if value is not None and not (isinstance(value, str) and (os.path.isabs(value) or value == DEFAULT_ALIAS)):
-        raise _Invalid(key, f"an absolute path or {DEFAULT_ALIAS!r}", value)
-
-
-def _one_of(choices: tuple[str, ...]) -> Rule:
-    def check(value: Any, key: str) -> None:
-        if value not in choices:
-            raise _Invalid(key, f"one of {', '.join(choices)}", value)
-
-    return check
-
-
-def _optional(rule: Rule) -> Rule:
-    def check(value: Any, key: str) -> None:
-        if value is not None:
-            rule(value, key)
-
-    return check
-
-
-def _list(rule: Rule, max_len: int) -> Rule:
-    def check(value: Any, key: str) -> None:
-        if not isinstance(value, list) or len(value) > max_len:
-            raise _Invalid(key, f"a list of at most {max_len} items", value)
-        for i, item in enumerate(value):
-            rule(item, f"{key}[{i}]")
-
-    return check
-
-
-def _map(rule: Rule, max_len: int, key_rule: Rule = _str) -> Rule:
-    def check(value: Any, key: str) -> None:
-        if not isinstance(value, dict) or len(value) > max_len:
-            raise _Invalid(key, f"an object of at most {max_len} entries", value)
-        for name, item in value.items():
-            key_rule(name, f"{key} entry {_show(name)}")
-            rule(item, f"{key}.{_key(name)}")
-
-    return check
-
-
-def _obj(required: dict[str, Rule], optional: dict[str, Rule] | None = None) -> Rule:
-    """An object with these keys (others are allowed and ignored)."""
-
-    def check(value: Any, key: str) -> None:
-        if not isinstance(value, dict):
-            raise _Invalid(key or "(top level)", "an object", value)
-        for name, rule in required.items():
-            if name not in value:
-                raise _Invalid(f"{key}.{name}".lstrip("."), "a value", _Missing())
-            rule(value[name], f"{key}.{name}".lstrip("."))
-        for name, rule in (optional or {}).items():
-            if name in value:
-                rule(value[name], f"{key}.{name}".lstrip("."))
-
-    return check
-
-
-def _dim(value: Any, key: str) -> None:
-    if isinstance(value, str):
-        _str(value, key)
-    else:
-        _int(0, 1 << 31)(value, key)
-
-
-_VALUE = _obj({"name": _str, "dtype": _str, "shape": _list(_dim, 8)})
-_SCHEMA = _obj(
-    {
-        "format_version": _int(FORMAT_VERSION, FORMAT_VERSION),
-        "method": _one_of(METHODS),
-        "source": _obj({"name": _str, "kind": _str}, {"path": _source_path}),
-        "max_context": _int(16, MAX_CONTEXT),
-        "vocab_size": _int(1, MAX_VOCAB),
-        "eos_token_ids": _list(_int(0, MAX_VOCAB - 1), 64),
-        "tokenizer": _optional(_relative_path),
-        "graph": _obj(
-            {
-                "file": _relative_path,
-                "inputs": _list(_VALUE, 4096),
-                "outputs": _list(_VALUE, 4096),
-                "bindings": _map(_str, 4096),
-                "trims": _map(_str, 64),
-            },
-            {"weights": _optional(_relative_path), "opset": _int(1, 1000)},
-        ),
-        "files": _map(_obj({"size": _int(0, 1 << 50), "sha256": _str}), _MAX_FILES, _relative_path),
-    },
-    {
-        "lookup": _optional(_obj({"num_draft": _int(1, 64), "max_ngram": _int(1, 8)})),
-        "medusa": _optional(
-            _obj(
-                {
-                    "num_heads": _int(1, 64),
-                    "tree": _relative_path,
-                    "tree_size": _int(1, 4096),
-                    "tree_depth": _int(1, 64),
-                }
-            )
-        ),
-        "sampling": _optional(_dict),
-        "anatomy": _optional(_dict),
-        "passes": _optional(_dict),
-    },
-)
-
-
-def check_manifest(manifest: Any, label: str) -> None:
-    """Raise BundleError (one line, naming the key) unless `manifest` has every key the runtime
-    reads, with the right type and range, and consistent references between them."""
-    try:
-        _SCHEMA(manifest, "")
-        _check_references(manifest)
-    except _Invalid as exc:
-        raise BundleError(f"{label}: {exc}") from None
-
-
-def _check_references(manifest: dict[str, Any]) -> None:
-    """Cross-key rules: a method's section exists, bindings name real values, ids fit the vocabulary."""
-    method = manifest["method"]
-    if method in ("lookup", "medusa") and not isinstance(manifest.get(method), dict):
-        raise _Invalid(method, f"an object (the {method} bundle's settings)", manifest.get(method))
-    if not manifest["files"]:
-        raise _Invalid("files", "at least one file (the manifest lists what it verifies)", manifest["files"])
-    for i, token in enumerate(manifest["eos_token_ids"]):
-        if token >= manifest["vocab_size"]:
-            raise _Invalid(f"eos_token_ids[{i}]", f"an id below vocab_size {manifest['vocab_size']}", token)
-    graph = manifest["graph"]
-    inputs = {v["name"]: v for v in graph["inputs"]}
-    outputs = {v["name"] for v in graph["outputs"]}
-    for out, inp in graph["bindings"].items():
-        if out not in outputs or inp not in inputs:
-            raise _Invalid(f"graph.bindings.{_key(out)}", "an output name bound to an input name", inp)
-    for out, count in graph["trims"].items():
-        if out not in graph["bindings"] or count not in outputs:
-            raise _Invalid(f"graph.trims.{_key(out)}", "a bound output trimmed by an output count", count)
-    width_limit = manifest["max_context"] * _MAX_KV_WIDTH
-    for name, value in inputs.items():
-        if not name.startswith("past_"):
-            continue
-        dims = value["shape"][1:]  # [batch, ...]: the runtime allocates these zeroed
-        if not dims or not all(type(d) is int and d >= 1 for d in dims) or _product(dims) > width_limit:
-            raise _Invalid(
-                f"graph.inputs {name!r} shape", "fixed cache dimensions that fit max_context", value["shape"]
-            )
-
-
-def _product(dims: list[int]) -> int:
-    total = 1
-    for d in dims:
-        total *= d
-    return total
 
 
 # --- files --------------------------------------------------------------------------------------
@@ -411,8 +200,8 @@ def _check_external_data(bundle: Path, graph_file: str, files: dict[str, Any]) -
             continue
         location = next((e.value for e in tensor.external_data if e.key == "location"), "")
         try:
-            _relative_path(location, f"{graph_file} external data of {tensor.name!r}")
-        except _Invalid as exc:
+            check_relative_path(location, f"{graph_file} external data of {tensor.name!r}")
+        except InvalidManifest as exc:
             raise BundleError(f"{bundle}: {exc}") from None
         rel = (base / location).as_posix()
         if rel not in files:
@@ -444,16 +233,6 @@ def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
             if attr.HasField("g"):
                 graphs.append(attr.g)
             graphs.extend(attr.graphs)
-
-
-def _key(name: Any) -> str:
-    return name if isinstance(name, str) and name.isidentifier() else _show(name)
-
-
-def _show(value: Any) -> str:
-    """A short one-line repr of a manifest value."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _first_line(exc: BaseException) -> str:

@@ -369,6 +369,8 @@ class Engine:
             if stop is not None:
                 continue
             new = [int(t) for t in accepted[row, : int(n_acc[row])]]
+            if any(not 0 <= t < int(self.manifest["vocab_size"]) for t in new):
+                raise BundleError(f"{self.bundle}: the engine emitted a token outside its vocabulary")
             reason = None
             if stop_at_eos:
                 for i, tok in enumerate(new):

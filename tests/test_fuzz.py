@@ -160,7 +160,8 @@ def test_fuzzed_manifests_end_in_success_or_one_line(template: Path, tmp_path: P
 
 def _prompt_lines(rng: random.Random) -> bytes:
     """A prompts file: mostly valid JSONL lines, with one or more hostile ones."""
-    good = [json.dumps({"prompt_ids": [rng.randrange(256) for _ in range(rng.randrange(1, 8))]}) for _ in range(3)]
+    good = [json.dumps({"prompt": "w5 w6", "prompt_ids": [rng.randrange(256) for _ in range(rng.randrange(1, 8))]})
+            for _ in range(3)]  # fmt: skip
     hostile = [
         lambda: json.dumps({"prompt_ids": [rng.choice([-1, 256, 2**63, 2**70, -(2**70)])]}),
         lambda: json.dumps({"prompt_ids": [rng.choice([1.5, "1", None, True, [1], {"a": 1}])]}),
@@ -175,7 +176,7 @@ def _prompt_lines(rng: random.Random) -> bytes:
         lambda: json.dumps({"prompt_ids": [1], "prompt": "x"}) + " trailing",
         lambda: '{"prompt_ids": [NaN, Infinity]}',
     ]
-    lines = good + [rng.choice(hostile)() for _ in range(rng.randrange(1, 3))]
+    lines = good + [rng.choice(hostile)() for _ in range(rng.choice([0, 1, 1, 2]))]
     rng.shuffle(lines)
     data = "\n".join(lines).encode("utf-8", "surrogatepass")
     if rng.random() < 0.1:
@@ -215,4 +216,5 @@ def test_fuzzed_prompt_files_end_in_success_or_one_line(tiny_bundle, tmp_path: P
                 failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:70]} (file {path.name}: {data[:50]!r})")
     print(f"fuzzed {PROMPT_CASES} prompt files in {time.perf_counter() - start:.1f} s: {outcomes}")
     assert not failures, f"{len(failures)} non-specgraph errors, e.g. " + " | ".join(failures[:3])
-    assert outcomes["ok"] + outcomes["refused"] == PROMPT_CASES > 0
+    assert outcomes["ok"] + outcomes["refused"] + len(failures) == PROMPT_CASES > 0
+    assert outcomes["ok"] > PROMPT_CASES // 10  # valid files do get through
