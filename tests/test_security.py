@@ -628,7 +628,10 @@ def test_onnx_external_data_stays_inside_the_bundle(hostile, outside: Path, loca
     ("change", "key"),
     [
         (lambda m: m.pop("max_context"), "max_context: expected a value, got nothing"),
-        (lambda m: m.update(max_context=1e12), r"max_context: expected an integer in \[16, 131072\], got 1000000000000\.0"),
+        (
+            lambda m: m.update(max_context=1e12),
+            r"max_context: expected an integer in \[16, 131072\], got 1000000000000\.0",
+        ),
         (lambda m: m.update(max_context=10**12), "max_context"),
         (lambda m: m.update(vocab_size=10**9), "vocab_size"),
         (lambda m: m.update(vocab_size="256"), "vocab_size"),
