@@ -15,6 +15,7 @@ import torch
 
 from specgraph.errors import ExportError
 from specgraph.exporters.gemm import matmul_to_gemm
+from specgraph.exporters.rotary import fuse_rotary
 from specgraph.ops import ONNX_TRANSLATIONS
 from specgraph.sampling import ONNX_TRANSLATIONS as SAMPLING_TRANSLATIONS
 from specgraph.step import StepEngine
@@ -53,5 +54,6 @@ def export_onnx(engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path), external_data=True)
     matmul_to_gemm(path)
+    fuse_rotary(path)
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)
