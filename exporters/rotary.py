@@ -34,25 +34,24 @@ def fuse_rotary(path: Path) -> int:
     replace: dict[str, list[onnx.NodeProto]] = {}  # Add node name -> nodes that replace it
     drop: set[str] = set()
     halves: dict[str, str] = {}
-    head: list[onnx.NodeProto] = []
     for neg in (n for n in graph.node if n.op_type == "Neg"):
         match = _match(neg, producer, users, consts)
         if match is None:
             continue
         x, cos, sin, half, add, removed = match
+        first: list[onnx.NodeProto] = []  # half caches go before their first use, where cos and sin exist
         for raw in (cos, sin):
             if raw not in halves:
                 halves[raw] = f"{raw}.half"
-                head += _half_cache(raw, half)
-        replace[add.name] = [
-            helper.make_node(
-                "RotaryEmbedding", [x, halves[cos], halves[sin]], [add.output[0]], name=f"{add.name}.rotary"
-            )
-        ]
+                first += _half_cache(raw, half)
+        rotary = helper.make_node(
+            "RotaryEmbedding", [x, halves[cos], halves[sin]], [add.output[0]], name=f"{add.name}.rotary"
+        )
+        replace[add.name] = [*first, rotary]
         drop.update(n.name for n in removed)
     if not replace:
         return 0
-    nodes: list[onnx.NodeProto] = list(head)
+    nodes: list[onnx.NodeProto] = []
     for n in graph.node:
         if n.name in replace:
             nodes += replace[n.name]

@@ -101,8 +101,8 @@ def _read_records(path_or_name: str, limit: int | None) -> list[tuple[dict[str, 
                     continue
                 try:
                     record = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise InputError(f"{file}:{number}: not a JSON object ({exc.msg})") from exc
+                except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
+                    raise InputError(f"{file}:{number}: not a JSON object ({getattr(exc, 'msg', exc)})") from exc
                 except RecursionError:
                     raise InputError(f"{file}:{number}: JSON nested too deeply to be a prompt") from None
                 if not isinstance(record, dict):
