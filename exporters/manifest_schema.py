@@ -169,7 +169,7 @@ _SCHEMA = _obj(
                     "num_heads": _int(1, 64),
                     "tree": _relative_path,
                     "tree_size": _int(1, 4096),
-                    "tree_depth": _int(1, 64),
+                    "tree_depth": _int(0, 64),  # 0: --tree auto may keep the root alone (plain decoding)
                 }
             )
         ),
