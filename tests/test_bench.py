@@ -278,11 +278,24 @@ def test_run_bench_reports_a_failed_hf_baseline_instead_of_crashing(tiny_bundle,
 
 @pytest.fixture(scope="module")
 def gguf_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(the tiny Q4_1/Q8_0 GGUF, its `none` bundle at the default --weights source)."""
+    """(the tiny Q4_1/Q8_0 GGUF, its `none` bundle at the default --weights source).
+
+    llama.cpp refuses a BPE vocabulary without a merges list, and gguf writes none for an empty
+    one, so this GGUF gets one merge ("Ġ Ġ") and its result as token 254 in place of a byte no
+    test prompt uses (Hugging Face refuses a merge whose result is not in the vocabulary)."""
+    import gguf as gguf_package
+
     from specgraph.compiler import CompileConfig, compile_model
 
     folder = tmp_path_factory.mktemp("gguf")
-    gguf = write_llama_gguf(folder / "tiny.gguf", "Q4_1", "Q8_0")
+    writer = gguf_package.GGUFWriter
+    add_tokens, add_merges = writer.add_token_list, writer.add_token_merges
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            writer, "add_token_list", lambda self, tokens: add_tokens(self, [*tokens[:254], "ĠĠ", *tokens[255:]])
+        )
+        patch.setattr(writer, "add_token_merges", lambda self, merges: add_merges(self, ["Ġ Ġ"]))
+        gguf = write_llama_gguf(folder / "tiny.gguf", "Q4_1", "Q8_0")
     compile_model(CompileConfig(model=str(gguf), output=folder / "none", method="none", max_context=160))
     return gguf, folder / "none"
 
