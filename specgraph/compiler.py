@@ -103,7 +103,7 @@ class CompileConfig:
             raise InputError(f"--acceptance {self.acceptance!r}: choose greedy, or typical with --method medusa")
         if not 1 <= self.max_ngram <= 8:
             raise InputError(f"--max-ngram must be between 1 and 8, got {self.max_ngram}")
-        check_weights(self.weights, self.activations, self.block_size)
+        check_weights(self.weights, self.activations, self.block_size, self.method)
 
     @property
     def inputs(self) -> list[str | Path | None]:

@@ -103,7 +103,7 @@ def test_stored_block_logits_match_the_dequantised_model(tmp_path):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
-@pytest.mark.parametrize(("weights", "activations"), [("int4", "fp32"), ("int8", "fp32"), ("int4", "int8")])
+@pytest.mark.parametrize(("weights", "activations"), [("int4", "fp32"), ("int8", "fp32")])
 def test_speculation_equals_its_own_none_engine(weights, activations, tiny_folder, tmp_path):
     """At every weight type the speculative engines emit exactly what that weight type's plain
     engine emits, greedy and seeded-sampled."""
@@ -126,6 +126,20 @@ def test_speculation_equals_its_own_none_engine(weights, activations, tiny_folde
             assert again.output_ids == sampled.output_ids
 
 
+@pytest.mark.parametrize("method", ["lookup", "medusa"])
+def test_int8_activations_are_refused_for_speculation(method, tiny_folder, tmp_path, capsys):
+    """ORT's one-row and many-row int8 kernels quantise activations differently (3e-2 relative on
+    SmolLM2's logits), so a verify call would not compute the model a plain step computes."""
+    folder = str(tiny_folder("llama"))
+    args = ["compile", folder, "-o", str(tmp_path / "out"), "--method", method, "--weights", "int4"]
+    _cli_refuses([*args, "--activations", "int8"], capsys, "needs --activations fp32")
+    assert not (tmp_path / "out").exists()
+    compile_model(
+        CompileConfig(model=folder, output=tmp_path / "b", max_context=160, weights="int4", activations="int8")
+    )
+    assert Engine(tmp_path / "b").manifest["weights"]["exact"] is False  # plain decoding at int8 activations is offered
+
+
 def test_int4_engine_matches_hf_with_the_same_weights(tiny_folder, tmp_path):
     """The int4 engine computes the float model whose weights are its dequantised blocks."""
     from tests.models.tiny import build
@@ -145,6 +159,7 @@ def test_int4_engine_matches_hf_with_the_same_weights(tiny_folder, tmp_path):
 
 
 def _cli_refuses(args, capsys, needle: str) -> None:
+    capsys.readouterr()  # drop what fixtures printed while building the tiny model
     assert main(args) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
