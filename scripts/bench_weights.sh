@@ -10,7 +10,6 @@ compile fp32-none --method none --weights fp32
 compile src-none --method none
 compile src-i8-none --method none --activations int8
 compile src-lookup --method lookup
-compile src-i8-lookup --method lookup --activations int8
 # plain decoding per weight type: HF generate, llama.cpp (same GGUF, same prompt ids), floor, c(N)
 for b in src-none src-i8-none fp32-none; do
     specgraph bench "out/$b" --prompts humaneval --limit 8 --max-new-tokens 96 --threads $T \
@@ -18,11 +17,9 @@ for b in src-none src-i8-none fp32-none; do
 done
 # one step, interleaved across weight types (rotated order)
 python scripts/ab_step.py out/fp32-none out/src-none out/src-i8-none
-# prompt lookup on top of each quantised none engine, same run
+# prompt lookup on top of the exact source-weights none engine, same run (int8 activations are none-only)
 specgraph bench out/src-lookup --prompts humaneval --limit 8 --max-new-tokens 96 --threads $T \
     --reference out/src-none --json docs/bench/weights-src-lookup.json --force
-specgraph bench out/src-i8-lookup --prompts humaneval --limit 8 --max-new-tokens 96 --threads $T \
-    --reference out/src-i8-none --json docs/bench/weights-src-i8-lookup.json --force
 # how far int8 activations are from exact ones (perplexity, greedy agreement)
 [ -f out/fp32-logits/manifest.json ] || specgraph compile smollm2-135m -o out/fp32-logits --weights fp32 --emit-logits
 python scripts/activation_error.py out/fp32-logits --texts 30 --prompts 6 --json docs/bench/activation-error.json
