@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -245,10 +246,11 @@ class RowIndex:
 def gguf_index(path: str) -> RowIndex:
     """The stored blocks of every quantised matrix in a GGUF file, found by the float32 values
     that transformers' loader (gguf's own dequantiser) gives its rows."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    from specgraph.default_model import gguf_reader
+
+    reader = gguf_reader(Path(path))
 
     def stored() -> Iterator[tuple[BlockWeight, np.ndarray]]:  # one matrix in memory at a time
         for t in reader.tensors:
@@ -263,6 +265,6 @@ def gguf_index(path: str) -> RowIndex:
 
 def gguf_formats(path: str) -> set[str]:
     """Formats of the file's matrices (read from its header; no tensor data is touched)."""
-    from gguf import GGUFReader
+    from specgraph.default_model import gguf_reader
 
-    return {t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) == 2}
+    return {t.tensor_type.name for t in gguf_reader(Path(path)).tensors if len(t.shape) == 2}

@@ -99,7 +99,7 @@ def read_gguf(path: Path, progress: bool = False) -> tuple[PreTrainedModel, PreT
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     _check_gguf_magic(path)
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     try:  # transformers raises ValueError, KeyError, struct.error... on GGUFs it cannot read
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, **LOCAL_ONLY)
     except Exception as exc:
@@ -151,14 +151,21 @@ def check_config_fits_weights(config: PretrainedConfig, numels: dict[str, int], 
     return skeleton
 
 
-def _gguf_reader(path: Path) -> gguf.GGUFReader:
-    """The GGUF's header and tensor table (memory-mapped; the reader checks every tensor lies inside the file)."""
+def gguf_reader(path: Path) -> gguf.GGUFReader:
+    """The GGUF's header and tensor table (memory-mapped; the reader checks every tensor lies inside
+    the file). Parsed once per file version: a compile reads it to check formats, load and index blocks."""
+    stat = path.stat()
+    return _cached_reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, _size: int, _mtime_ns: int) -> gguf.GGUFReader:
     import gguf
 
     try:
         return gguf.GGUFReader(path)
     except Exception as exc:  # gguf raises ValueError, struct.error, IndexError... on bad input
-        raise ModelLoadError(f"{path.name} is truncated or corrupt: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"{Path(path).name} is truncated or corrupt: {_first_line(exc)}") from exc
 
 
 def _check_gguf_tensors(config: PretrainedConfig, reader: gguf.GGUFReader, label: str) -> None:
