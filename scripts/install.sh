@@ -16,3 +16,11 @@ if [ "${1:-}" = "--test" ]; then
 else
     $PY -m pip install --quiet -e .
 fi
+# The C++ host (host/, docs/host.md): built where CMake and a C++ compiler exist, skipped otherwise.
+if command -v cmake >/dev/null 2>&1 && { command -v c++ || command -v g++ || command -v clang++; } >/dev/null 2>&1; then
+    cmake -S host -B host/build -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build host/build -j2 >/dev/null
+    echo "C++ host built: host/build/specgraph-host"
+else
+    echo "C++ host not built: it needs cmake and a C++ compiler (tests/test_host.py is skipped too)"
+fi
