@@ -34,6 +34,22 @@ def _llama(vocab: int = VOCAB) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def _llama_gqa3() -> torch.nn.Module:
+    """Three query heads per KV head (6:2, head size 16), as in issue 10's traced-batch-1 report."""
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=1,
+    )
+    return LlamaForCausalLM(cfg)
+
+
 def _llama_v8() -> torch.nn.Module:
     """An 8-token vocabulary: small enough to enumerate the joint law of three tokens (512 cells)."""
     return _llama(8)
@@ -86,7 +102,14 @@ def _gemma3() -> torch.nn.Module:
     return Gemma3ForCausalLM(cfg)
 
 
-BUILDERS = {"llama": _llama, "llama-v8": _llama_v8, "qwen2": _qwen2, "gpt2": _gpt2, "gemma3": _gemma3}
+BUILDERS = {
+    "llama": _llama,
+    "llama-gqa3": _llama_gqa3,
+    "llama-v8": _llama_v8,
+    "qwen2": _qwen2,
+    "gpt2": _gpt2,
+    "gemma3": _gemma3,
+}
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
