@@ -263,6 +263,11 @@ void Engine::check_graph() {
   for (const auto& b : manifest_.bindings) {
     if (problem.empty() && !outputs.count(b.first)) problem = "the manifest binds " + b.first + ", which the graph lacks";
   }
+  for (const auto& t : manifest_.trims) {  // the host cuts int64 [1, N] tokens by an int64 count
+    if (problem.empty() && (outputs[t.first].type != ort::kInt64 || outputs[t.second].type != ort::kInt64)) {
+      problem = "the manifest trims " + t.first + " by " + t.second + ", which are not both int64";
+    }
+  }
   for (const auto& name : manifest_.in_place) {
     const std::string& target = *manifest_.bound_input(name);
     if (problem.empty() && outputs[name].type != inputs[target].type) {
