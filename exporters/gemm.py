@@ -9,6 +9,7 @@ docs/benchmarks.md). Gemm is plain ONNX, so TensorRT's parser takes it too.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -19,8 +20,14 @@ from onnx import helper, numpy_helper
 logger = logging.getLogger("specgraph.exporters")
 
 
-def matmul_to_gemm(path: Path, leading_input: str = "tokens") -> int:
-    """Rewrite `path` (and its external data file) in place; return how many MatMuls changed."""
+def matmul_to_gemm(path: Path, leading_input: str = "tokens", drafter: tuple[str, str] | None = None) -> int:
+    """Rewrite `path` (and its external data file) in place; return how many MatMuls changed.
+
+    `drafter` = (parameter prefix, name prefix): a product traced from a parameter whose name
+    starts with the first (a drafter run on other token counts than `leading_input`'s, e.g.
+    "p_draft_gm_") restores its leading dimensions from its own input, and its weight is renamed
+    to start with the second ("draft_gm."), so later rewrites can tell the drafter's weights
+    from the target's (the exporter names folded weights val_N)."""
     model = onnx.load(str(path))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -33,15 +40,21 @@ def matmul_to_gemm(path: Path, leading_input: str = "tokens") -> int:
     shapes: dict[int, str] = {}
     new_nodes: list[onnx.NodeProto] = []
     changed = 0
+    seen: dict[tuple, str] = {}  # type: ignore[type-arg]  # a module run several times: one weight, not one per run
     for node in graph.node:
         weight = _weight_out_in(node, inits, producers, uses) if node.op_type == "MatMul" else None
+        own = drafter is not None and drafter[0] in _traced_from(node)
+        if weight is not None and own and drafter is not None and not weight.startswith(drafter[1]):
+            weight = _rename(graph, inits, weight, drafter[1] + weight)
+        if weight is not None:
+            weight = _shared(inits, weight, own, seen)  # never the target's weight for the drafter's product
         rank = ranks.get(node.input[0]) if weight is not None else None
         if weight is None or rank not in (2, 3):
             new_nodes.append(node)
             continue
         out_features = _dims(inits[weight])[0]
         in_features = _dims(inits[weight])[1]
-        new_nodes += _gemm_nodes(node, weight, rank, out_features, in_features, shapes, graph)
+        new_nodes += _gemm_nodes(node, weight, rank, out_features, in_features, shapes, graph, own)
         changed += 1
     for n_out, shape_name in shapes.items():
         new_nodes[:0] = _output_shape_nodes(n_out, shape_name, leading_input)
@@ -55,6 +68,30 @@ def matmul_to_gemm(path: Path, leading_input: str = "tokens") -> int:
     )
     logger.debug("rewrote %d MatMuls as Gemm(transB=1)", changed)
     return changed
+
+
+def _shared(inits: dict, name: str, own: bool, seen: dict) -> str:  # type: ignore[type-arg]
+    """The first initializer of the same owner with the same dims and bytes as `name` (the
+    exporter folds a separate transposed copy of a weight for every call of the module that reads it)."""
+    t = inits[name]
+    key = (own, hashlib.blake2b(numpy_helper.to_array(t).tobytes(), digest_size=16).digest(), tuple(t.dims))
+    return seen.setdefault(key, name)
+
+
+def _traced_from(node: onnx.NodeProto) -> str:
+    """The FX node the exporter recorded for `node` (its arguments name the parameters it read)."""
+    return next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "")
+
+
+def _rename(graph: onnx.GraphProto, inits: dict, old: str, new: str) -> str:  # type: ignore[type-arg]
+    """Rename initializer `old` to `new` everywhere it is read."""
+    inits[old].name = new
+    inits[new] = inits.pop(old)
+    for n in graph.node:
+        for i, name in enumerate(n.input):
+            if name == old:
+                n.input[i] = new
+    return new
 
 
 def _dims(t: onnx.TensorProto) -> list[int]:
@@ -86,12 +123,25 @@ def _weight_out_in(node, inits, producers, uses) -> str | None:  # type: ignore[
     return None
 
 
-def _gemm_nodes(node, weight, rank, n_out, in_features, shapes, graph) -> list[onnx.NodeProto]:  # type: ignore[no-untyped-def]
+def _gemm_nodes(node, weight, rank, n_out, in_features, shapes, graph, own=False) -> list[onnx.NodeProto]:  # type: ignore[no-untyped-def]
     a, y = node.input[0], node.output[0]
     if rank == 2:
         return [helper.make_node("Gemm", [a, weight], [y], name=node.name, transB=1)]
     flat_shape = f"{node.name}_flat_shape"
     graph.initializer.append(numpy_helper.from_array(np.asarray([-1, in_features], np.int64), flat_shape))
+    if own:
+        out_shape = f"{node.name}_out_shape"
+        n = helper.make_node(
+            "Constant", [], [f"{out_shape}_n"], value=numpy_helper.from_array(np.asarray([n_out], np.int64))
+        )
+        return [
+            n,
+            helper.make_node("Shape", [a], [f"{out_shape}_lead"], end=-1),
+            helper.make_node("Concat", [f"{out_shape}_lead", f"{out_shape}_n"], [out_shape], axis=0),
+            helper.make_node("Reshape", [a, flat_shape], [f"{a}_{node.name}_2d"], name=f"{node.name}_flatten"),
+            helper.make_node("Gemm", [f"{a}_{node.name}_2d", weight], [f"{y}_2d"], name=node.name, transB=1),
+            helper.make_node("Reshape", [f"{y}_2d", out_shape], [y], name=f"{node.name}_unflatten"),
+        ]
     shapes.setdefault(n_out, f"_gemm_out_shape_{n_out}")
     return [
         helper.make_node("Reshape", [a, flat_shape], [f"{a}_{node.name}_2d"], name=f"{node.name}_flatten"),

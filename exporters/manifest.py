@@ -4,7 +4,7 @@ every file.
 A bundle is read as hostile input. `read_manifest` checks, in this order and before the engine
 touches anything: the manifest's schema (every key the runtime reads, with its type and range);
 that every path in it is relative and stays inside the bundle; that every file the engine reads
-(the graph, its external data, the tokenizer folder, the Medusa tree) is listed; that no listed
+(the graph, its external data, the tokenizer folder) is listed; that no listed
 file is a symbolic link, anything but a regular file, or code; that each has its recorded size;
 and last, when `verify`, that each has its recorded sha256.
 """
@@ -24,7 +24,9 @@ import onnx
 from specgraph.errors import BundleError
 from specgraph.exporters.manifest_schema import InvalidManifest, check_manifest, check_relative_path
 
-FORMAT_VERSION = 2  # 2: files map to {size, sha256}; paths are confined to the bundle
+# 2: files map to {size, sha256}; paths are confined to the bundle. 3: the graph section says
+# everything a host needs (state, constants, in_place, extra_slots), so no host knows a method.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 # A bundle holds data only: the ONNX graph and its weights, JSON, and tokenizer vocabularies
 # (.txt merges, .model sentencepiece protobufs, .jinja chat templates). Never code.
@@ -166,8 +168,6 @@ def _engine_files(bundle: Path, manifest: dict[str, Any]) -> Iterator[tuple[str,
     yield "graph.file", graph["file"]
     if graph.get("weights"):
         yield "graph.weights", graph["weights"]
-    if manifest.get("medusa"):
-        yield "medusa.tree", manifest["medusa"]["tree"]
     if manifest.get("tokenizer"):
         yield from (("tokenizer file", rel) for rel in _tokenizer_files(bundle, manifest["tokenizer"]))
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from specgraph.errors import BundleError
 
-METHODS = ("none", "lookup", "medusa")  # the methods specgraph.runtime can run
+_METHOD_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
+_MAX_CONSTANT = 1 << 20  # values in one constant input (a Medusa tree of 1,024 nodes is a 1M-entry mask)
 MAX_CONTEXT = 131072  # the compiler's --max-context bound
 MAX_VOCAB = 1 << 21  # 8x the largest vocabulary in use (Gemma 3: 262,144)
 DEFAULT_ALIAS = "smollm2-135m"  # specgraph.default_model.DEFAULT_MODEL (which imports torch)
@@ -140,10 +141,35 @@ def _dim(value: Any, key: str) -> None:
 
 
 _VALUE = _obj({"name": _str, "dtype": _str, "shape": _list(_dim, 8)})
+
+
+def _method(value: Any, key: str) -> None:
+    """A method's name: the runtime never branches on it (it reads `graph`), so any name will do."""
+    if not isinstance(value, str) or not _METHOD_NAME.fullmatch(value):
+        raise InvalidManifest(key, "a method name (lowercase letters, digits, '-')", value)
+
+
+def _constant(value: Any, key: str) -> None:
+    """An engine input bound unchanged on every call: {dtype, shape, data (flat, row-major)}."""
+    _obj({"dtype": _one_of(("bool", "int64", "float32")), "shape": _list(_int(0, _MAX_CONSTANT), 8),
+          "data": _list(_any, _MAX_CONSTANT)})(value, key)  # fmt: skip
+    if _product(value["shape"]) != len(value["data"]):
+        raise InvalidManifest(f"{key}.data", f"{_product(value['shape'])} values (the shape's size)", value["data"])
+    kinds = {"bool": (bool,), "int64": (int,), "float32": (int, float)}[value["dtype"]]
+    for i, item in enumerate(value["data"]):
+        if not isinstance(item, kinds) or (value["dtype"] != "bool" and isinstance(item, bool)):
+            raise InvalidManifest(f"{key}.data[{i}]", f"a {value['dtype']} value", item)
+
+
+def _any(value: Any, key: str) -> None:
+    """Anything; the caller checks the items."""
+
+
 _SCHEMA = _obj(
     {
         "format_version": _int(0, 1 << 31),  # its value: manifest.read_manifest
-        "method": _one_of(METHODS),
+        "method": _method,
+        "draft_depth": _int(0, 4096),
         "source": _obj({"name": _str, "kind": _str}, {"path": _source_path}),
         "max_context": _int(16, MAX_CONTEXT),
         "vocab_size": _int(1, MAX_VOCAB),
@@ -156,23 +182,16 @@ _SCHEMA = _obj(
                 "outputs": _list(_VALUE, 4096),
                 "bindings": _map(_str, 4096),
                 "trims": _map(_str, 64),
+                "in_place": _list(_str, 4096),
+                "state": _list(_str, 4096),
+                "constants": _map(_constant, 64),
+                "extra_slots": _int(0, 4096),
             },
             {"weights": _optional(_relative_path), "opset": _int(1, 1000)},
         ),
         "files": _map(_obj({"size": _int(0, 1 << 50), "sha256": _digest}), _MAX_FILES, _relative_path),
     },
     {
-        "lookup": _optional(_obj({"num_draft": _int(1, 64), "max_ngram": _int(1, 8)})),
-        "medusa": _optional(
-            _obj(
-                {
-                    "num_heads": _int(1, 64),
-                    "tree": _relative_path,
-                    "tree_size": _int(1, 4096),
-                    "tree_depth": _int(0, 64),  # 0: --tree auto may keep the root alone (plain decoding)
-                }
-            )
-        ),
         "sampling": _optional(_dict),
         "anatomy": _optional(_dict),
         "passes": _optional(_dict),
@@ -199,8 +218,8 @@ def check_relative_path(value: Any, key: str) -> None:
 def _check_references(manifest: dict[str, Any]) -> None:
     """Cross-key rules: a method's section exists, bindings name real values, ids fit the vocabulary."""
     method = manifest["method"]
-    if method in ("lookup", "medusa") and not isinstance(manifest.get(method), dict):
-        raise InvalidManifest(method, f"an object (the {method} bundle's settings)", manifest.get(method))
+    if manifest.get(method) is not None and not isinstance(manifest[method], dict):
+        raise InvalidManifest(method, f"an object (the {method} bundle's settings) or null", manifest[method])
     if not manifest["files"]:
         raise InvalidManifest("files", "at least one file (the manifest lists what it verifies)", manifest["files"])
     for i, token in enumerate(manifest["eos_token_ids"]):
@@ -215,12 +234,22 @@ def _check_references(manifest: dict[str, Any]) -> None:
     for out, count in graph["trims"].items():
         if out not in graph["bindings"] or count not in outputs:
             raise InvalidManifest(f"graph.trims.{_key(out)}", "a bound output trimmed by an output count", count)
+    for out in graph["in_place"]:
+        if out not in graph["bindings"]:
+            raise InvalidManifest("graph.in_place", "outputs bound to the input they write into", out)
+    for name in [*graph["state"], *graph["constants"]]:
+        if name not in inputs:
+            raise InvalidManifest("graph.state/constants", "names of graph inputs", name)
+    written = {graph["bindings"][out] for out in graph["in_place"]}
     width_limit = manifest["max_context"] * _MAX_KV_WIDTH
-    for name, value in inputs.items():
-        if not name.startswith("past_"):
-            continue
+    for name in graph["state"]:
+        value = inputs[name]
         dims = value["shape"][1:]  # [batch, ...]: the runtime allocates these zeroed
-        if not dims or not all(type(d) is int and d >= 1 for d in dims) or _product(dims) > width_limit:
+        if (
+            not all(type(d) is int and d >= 1 for d in dims)
+            or _product(dims) > width_limit
+            or (name in written and not dims)
+        ):
             raise InvalidManifest(
                 f"graph.inputs {name!r} shape", "fixed cache dimensions that fit max_context", value["shape"]
             )

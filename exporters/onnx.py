@@ -53,7 +53,7 @@ def export_onnx(engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path) ->
         raise ExportError("ONNX export returned no program")
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path), external_data=True)
-    matmul_to_gemm(path)
+    matmul_to_gemm(path, drafter=getattr(engine, "drafter_weights", None))
     fuse_rotary(path)
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -67,8 +68,7 @@ class PassContext:
 
     anatomy: Anatomy
     max_context: int
-    medusa_heads: MedusaHeads | None = None  # add_medusa_heads attaches these
+    drafter: Any = None  # what the method's `prepare` loaded (add_medusa_heads attaches Medusa heads)
 
 
 from specgraph.anatomy import Anatomy  # noqa: E402  (types used in the annotations above)
-from specgraph.medusa import MedusaHeads  # noqa: E402

@@ -20,7 +20,7 @@ logger = logging.getLogger("specgraph.passes")
 
 
 def add_medusa_heads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    heads = ctx.medusa_heads
+    heads = ctx.drafter
     if heads is None:
         raise ValueError("add_medusa_heads needs heads in the pass context")
     hidden = ctx.anatomy.lm_head.args[0]

@@ -14,6 +14,7 @@ import sys
 
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams
+from specgraph.timing import time_call
 
 
 def _arm(spec: str) -> tuple[Engine, SamplingParams]:
@@ -32,7 +33,7 @@ def main() -> None:
         for i in [(r + j) % len(arms) for j in range(len(arms))]:
             engine, params = arms[i]
             for n in (1, 8):
-                times.setdefault((i, n), []).append(engine.time_call(n, 64, 15, params) * 1000)
+                times.setdefault((i, n), []).append(time_call(engine, n, 64, 15, params) * 1000)
     for n in (1, 8):
         print(
             f"c({n}) ms, median of {rounds} rotated rounds:",

@@ -18,6 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specgraph.runtime import Engine
+from specgraph.timing import time_call
 
 
 def profile(engine: Engine, context: int, threads: int, calls: int = 20) -> dict[str, float]:
@@ -27,7 +28,7 @@ def profile(engine: Engine, context: int, threads: int, calls: int = 20) -> dict
     options.log_severity_level = 3
     options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "p")
     engine.session = ort.InferenceSession(str(engine.bundle / "model.onnx"), options)
-    engine.time_call(1, context, repeats=calls)  # one warm-up call, then `calls` timed ones
+    time_call(engine, 1, context, repeats=calls)  # one warm-up call, then `calls` timed ones
     events = json.load(open(engine.session.end_profiling()))
     span = (context + 1 + 63) // 64 * 64
     totals: dict[str, float] = defaultdict(float)

@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specgraph.runtime import Engine
+from specgraph.timing import time_call
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     options.log_severity_level = 3
     options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "p")
     engine.session = ort.InferenceSession(str(engine.bundle / "model.onnx"), options)
-    engine.time_call(args.tokens, 128, repeats=args.calls)  # one warm-up call, then the timed ones
+    time_call(engine, args.tokens, 128, repeats=args.calls)  # one warm-up call, then the timed ones
     events = json.load(open(engine.session.end_profiling()))
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
@@ -48,7 +49,7 @@ def main() -> None:
     times: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(4):  # interleaved
         for t, e in arms.items():
-            times[t].append(e.time_call(args.tokens, 64, 15) * 1000)
+            times[t].append(time_call(e, args.tokens, 64, 15) * 1000)
     print(
         "unprofiled step, ms (median of 4 interleaved rounds):",
         {f"{t} threads": round(statistics.median(v), 2) for t, v in times.items()},

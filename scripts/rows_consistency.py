@@ -20,7 +20,7 @@ from activation_error import _logits, _variant  # the sibling script (run from t
 def _call(engine, io, state, ids: list[int], start: int) -> np.ndarray:  # type: ignore[no-untyped-def]
     feeds = {"tokens": np.asarray([ids], np.int64), "n_fixed": np.asarray([len(ids)], np.int64),
              "cache_len": np.asarray([start], np.int64)}  # fmt: skip
-    return engine._call(io, feeds, state)["logits"].numpy()[0]
+    return engine.call(io, feeds, state)["logits"].numpy()[0]
 
 
 def main() -> None:
@@ -35,10 +35,10 @@ def main() -> None:
             ids = engine.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return")
             n0 = len(ids) - 8
             scale = np.abs(_logits(engine, ids)).max()
-            state, io = engine._new_state(1), engine.session.io_binding()
+            state, io = engine.new_state(1), engine.session.io_binding()
             _call(engine, io, state, ids[:n0], 0)
             eight = _call(engine, io, state, ids[n0:], n0)
-            state, io = engine._new_state(1), engine.session.io_binding()
+            state, io = engine.new_state(1), engine.session.io_binding()
             _call(engine, io, state, ids[:n0], 0)
             ones = np.stack([_call(engine, io, state, [ids[n0 + i]], n0 + i)[-1] for i in range(8)])
             print(f"{act} activations: 8-token call vs 1-token calls, max relative logit difference "

@@ -28,10 +28,12 @@ if TYPE_CHECKING:
 
 def compile(model: str | Path, output: str | Path, method: str = "none", **options: Any) -> CompileReport:
     """Compile `model` (a torch.export file, HF folder, GGUF file or "smollm2-135m") into a
-    bundle at `output`. Options mirror `specgraph compile`: max_context, num_draft, max_ngram."""
+    bundle at `output`. Options mirror `specgraph compile`'s flags: the shared ones (max_context,
+    weights, sampling...) and the method's own (lookup: num_draft, max_ngram; medusa: heads, tree,
+    acceptance)."""
     from specgraph.compiler import CompileConfig, compile_model
 
-    return compile_model(CompileConfig(model=str(model), output=Path(output), method=method, **options))
+    return compile_model(CompileConfig.of(model, output, method, **options))
 
 
 def load(bundle: str | Path, threads: int | None = None, verify: bool = True) -> Engine:

@@ -38,6 +38,7 @@ from specgraph.errors import InputError, ModelLoadError
 from specgraph.peers import Decoder, llama_cpp_decoder
 from specgraph.runtime import Engine, GenerationResult
 from specgraph.sampling import SamplingParams
+from specgraph.timing import time_call
 
 SHIPPED_SETS = ("chat", "creative", "repeat")
 _DATA = Path(__file__).with_name("data")
@@ -287,7 +288,7 @@ def _interleaved_ms(engine: Engine, points: list[tuple[int, int]], repeats: int)
     times: dict[tuple[int, int], list[float]] = {p: [] for p in points}
     for _ in range(max(repeats, 1)):
         for n, context in points:
-            times[(n, context)].append(engine.time_call(n, context, repeats=1) * 1e3)
+            times[(n, context)].append(time_call(engine, n, context, repeats=1) * 1e3)
     return {p: statistics.median(t) for p, t in times.items()}
 
 
@@ -385,7 +386,7 @@ def run_bench(
 
     _warm_up(engine, ref, runnable[0][1], params)
     rss_engines = _peak_rss_mb()  # before llama.cpp, the HF model or the bandwidth matrix
-    yardsticks = baseline and engine.method == "none"
+    yardsticks = baseline and engine.draft_depth == 0  # plain decoding: compare it with the other tools
     peer, peer_head = _llama_cpp_peer(engine, runnable, max_new_tokens, threads) if yardsticks else (None, {})
     runs, ref_runs, peer_runs, wall_s = _generate_all(
         engine, ref, peer, runnable, max_new_tokens, stop_at_eos, progress, params
@@ -411,7 +412,7 @@ def run_bench(
         "environment": _environment(),
         "skipped_prompts": [i for i, ids in enumerate(all_ids) if not 0 < len(ids) < room],
         "per_prompt": [_row(i, run) for (i, _), run in zip(runnable, runs, strict=True)],
-        "aggregate": _aggregate(runs, wall_s, _draft_depth(engine)),
+        "aggregate": _aggregate(runs, wall_s, engine.draft_depth),
         "weights": _weights(engine, engine_tps, bandwidth),
     }
     if yardsticks:
@@ -544,15 +545,6 @@ def _row(index: int, run: GenerationResult) -> dict[str, Any]:
         "decode_s": round(run.decode_s, 5),
         "stop_reason": run.stop_reason,
     }
-
-
-def _draft_depth(engine: Engine) -> int:
-    """The deepest draft the engine proposes (0 for plain decoding)."""
-    if engine.method == "medusa":
-        return int(engine.manifest["medusa"]["tree_depth"])
-    if engine.method == "lookup":
-        return int(engine.manifest["lookup"]["num_draft"])
-    return 0
 
 
 def _aggregate(runs: list[GenerationResult], wall_s: float, max_depth: int | None = None) -> dict[str, Any]:

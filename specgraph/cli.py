@@ -7,6 +7,7 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -106,38 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="bundle folder to write: a new path, an empty folder, or a bundle specgraph wrote (replaced atomically)",
     )
     c.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="folder"))
+    from specgraph import methods
+
     c.add_argument(
         "--method",
         default="none",
-        choices=["none", "lookup", "medusa"],
-        help="none: plain decoding (the baseline); lookup: prompt-lookup drafting; medusa: Medusa heads and a "
-        "verified candidate tree (all lossless: greedy, or sampled with the target's exact law)",
+        choices=methods.names(),
+        help="; ".join(f"{m.name}: {m.summary}" for m in methods.REGISTRY.values())
+        + " (lossless: greedy, or sampled with the target's exact law, unless a flag says otherwise)",
     )
     c.add_argument(
         "--max-context", type=_positive, default=1024, help="KV-cache slots: prompt plus output tokens (default 1024)"
-    )
-    c.add_argument("--num-draft", type=_positive, default=7, help="lookup: draft tokens verified per step (default 7)")
-    c.add_argument(
-        "--max-ngram", type=_positive, default=3, help="lookup: longest n-gram matched in the context (default 3)"
-    )
-    c.add_argument(
-        "--heads",
-        default=None,
-        help="medusa: heads file from `specgraph train` (default: the shipped heads for smollm2-135m)",
-    )
-    c.add_argument(
-        "--acceptance",
-        default="greedy",
-        choices=["greedy", "typical"],
-        help="medusa: greedy verification (lossless, the default) or Medusa's typical acceptance, which is LOSSY: "
-        "it also accepts candidates the target finds merely probable, so the text can differ from greedy decoding",
-    )
-    c.add_argument(
-        "--tree",
-        default="default",
-        help="medusa: candidate tree: a preset (default, chain-4, mc_sim_7b_63), "
-        "a Medusa-format JSON file (list of paths), or 'auto' (best expected tokens/s from the heads' "
-        "measured acceptance and this engine's measured verify cost)",
     )
     c.add_argument(
         "--no-sampling",
@@ -166,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--emit-logits", action="store_true", help="also output logits (for testing; slower)")
     c.add_argument("--json", action="store_true", help="print the compile report as JSON")
+    for method in methods.REGISTRY.values():
+        method.add_flags(_MethodFlags(c, c.add_argument_group(f"--method {method.name}")))
 
     g = sub.add_parser(
         "generate",
@@ -227,40 +209,37 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at --json or --plot"))
     _add_sampling_flags(b)
 
+    trainable = [m for m in methods.REGISTRY.values() if m.trains]
     t = sub.add_parser(
         "train",
-        help="train Medusa heads by self-distillation",
+        help="train a method's drafter by self-distillation (" + ", ".join(m.name for m in trainable) + ")",
         description=(
-            "Train Medusa heads on the frozen target's own greedy output for PROMPTS; only the heads learn. "
-            "Prints per-head top-1/top-5 accuracy on held-out text and stores the measured acceptance in the file "
-            "(compile --tree auto uses it)."
+            "Train a drafter on the frozen target's own greedy output for PROMPTS; only the drafter learns. "
+            "Prints its accuracy on held-out text and stores the measured acceptance in the file it writes "
+            "(compile uses it, e.g. --tree auto)."
         ),
     )
     t.add_argument("model", help="model file or folder, or 'smollm2-135m'")
-    t.add_argument("--method", default="medusa", choices=["medusa"], help="what to train (only medusa today)")
+    t.add_argument(
+        "--method", default=trainable[0].name, choices=[m.name for m in trainable], help="whose drafter to train"
+    )
     t.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line, or a shipped set name")
     t.add_argument(
         "-o",
         "--output",
         required=True,
         type=Path,
-        help="heads file to write (.safetensors): a new path, or heads specgraph wrote (replaced atomically); "
+        help="drafter file to write (.safetensors): a new path, or one specgraph wrote (replaced atomically); "
         "the generated text is cached beside it as NAME.gen.json",
     )
     t.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at -o or its cache"))
-    t.add_argument("--heads", type=_positive, default=4, help="number of Medusa heads (default 4)")
-    t.add_argument("--epochs", type=_positive, default=5, help="passes over the training positions (default 5)")
     t.add_argument(
         "--max-new-tokens", type=_positive, default=32, help="tokens the target generates per prompt (default 32)"
     )
     t.add_argument("--threads", type=_positive, default=2, help="torch and ONNX Runtime threads (default 2)")
-    t.add_argument(
-        "--separate-lm-heads",
-        action="store_true",
-        help="give each head its own trainable copy of the "
-        "LM head (Medusa-1; 28M parameters per head on the default model, and every step reads them)",
-    )
     t.add_argument("--json", action="store_true", help="print the training report as JSON")
+    for method in trainable:
+        method.add_train_flags(t.add_argument_group(f"--method {method.name}"))
 
     i = sub.add_parser("inspect", help="show what the compiler recognises in a model")
     i.add_argument("model", help="model file or folder, or 'smollm2-135m'")
@@ -271,29 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from specgraph.compiler import PIPELINES, CompileConfig, compile_model
+    from specgraph import methods
+    from specgraph.compiler import CompileConfig, compile_model, passes_for
 
-    cfg = CompileConfig(
-        model=args.model,
-        output=args.output,
-        method=args.method,
-        max_context=args.max_context,
-        num_draft=args.num_draft,
-        max_ngram=args.max_ngram,
-        emit_logits=args.emit_logits,
-        heads=args.heads,
-        tree=args.tree,
-        acceptance=args.acceptance,
-        sampling=not args.no_sampling,
-        force=args.force,
-        weights=args.weights,
-        activations=args.activations,
-        block_size=args.block_size,
-    )
+    shared = dict(max_context=args.max_context, emit_logits=args.emit_logits, sampling=not args.no_sampling,
+                  force=args.force, weights=args.weights, activations=args.activations,
+                  block_size=args.block_size)  # fmt: skip
+    cfg = CompileConfig.of(args.model, args.output, args.method, **shared, **_method_flags(args, methods))
     cfg.check()
-    stages = ["load", "capture", "anatomy", *(p.__name__ for p in PIPELINES[cfg.method]), "export onnx"]
-    stages += ["index stored blocks", "store weights as blocks"]
-    stages += ["measure tree"] if cfg.method == "medusa" and cfg.tree == "auto" else []
+    stages = ["load", "capture", "anatomy", *(p.__name__ for p in passes_for(cfg.spec, cfg.opts)), "export onnx"]
+    stages += ["index stored blocks", "store weights as blocks", *cfg.spec.stages(cfg.opts)]
     with tqdm(
         total=len(stages), desc="compile", unit="stage", file=sys.stderr, disable=True if args.json else None
     ) as bar:
@@ -319,19 +285,44 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print("  seconds: " + ", ".join(f"{k} {v}" for k, v in report.seconds.items()))
         if report.weights:
             print("  " + _weights_line(report.weights))
-        if report.medusa:
-            m = report.medusa
-            print(
-                f"  medusa: {m['num_heads']} heads, tree {m['tree_source']} ({m['tree_size']} nodes, depth {m['tree_depth']})"
-            )
-            if "auto_tree" in m:
-                a = m["auto_tree"]
-                print(
-                    f"  auto tree: expected {a['expected_tokens']:.2f} tokens/step at c(N)/c(1) {a['cost']:.2f}: "
-                    f"predicted {a['speedup']:.2f}x over this engine's 1-token step (the heads' readout adds to "
-                    "every step: `specgraph bench --reference` gives the speed-up over plain decoding)"
-                )
+        if report.details:
+            print(f"  {report.method}: " + _details_line(report.details))
     return 0
+
+
+class _MethodFlags:
+    """The argument group a method adds its flags to. A flag is absent from the parsed namespace
+    unless given (the method's options dataclass holds the defaults), and methods may share a
+    flag (--num-draft): the first registration serves both."""
+
+    def __init__(self, parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
+        self.parser, self.group = parser, group
+
+    def add_argument(self, *names: str, **kwargs: Any) -> None:
+        if any(n in self.parser._option_string_actions for n in names):
+            return
+        self.group.add_argument(*names, **{**kwargs, "default": argparse.SUPPRESS})
+
+
+def _method_flags(args: argparse.Namespace, methods: Any) -> dict[str, Any]:
+    """The chosen method's options from the flags given. A flag only another method takes is an
+    error: it would do nothing, and the user meant something by it."""
+    mine = {f.name for f in dataclasses.fields(methods.get(args.method).options_type)}
+    for other in methods.REGISTRY.values():
+        for f in dataclasses.fields(other.options_type):
+            if f.name not in mine and hasattr(args, f.name):
+                flag = "--" + f.name.replace("_", "-")
+                raise InputError(
+                    f"{flag} is a --method {other.name} option; it does nothing with --method {args.method}"
+                )
+    return {name: getattr(args, name) for name in mine if hasattr(args, name)}
+
+
+def _details_line(details: dict[str, Any]) -> str:
+    """The method's report as one line: its own summary, else its scalar settings."""
+    if isinstance(details.get("summary"), str):
+        return details["summary"]
+    return ", ".join(f"{k} {v}" for k, v in details.items() if isinstance(v, int | float | str))
 
 
 def _weights_line(w: dict[str, Any]) -> str:
@@ -451,12 +442,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from specgraph.train import train_medusa
+    from specgraph import methods
 
-    report = train_medusa(model=args.model, prompts=args.prompts, output=args.output, num_heads=args.heads,
-                          epochs=args.epochs, max_new_tokens=args.max_new_tokens, threads=args.threads,
-                          progress=not args.json, command=" ".join(["specgraph", *sys.argv[1:]]),
-                          separate_lm_heads=args.separate_lm_heads, force=args.force)  # fmt: skip
+    command = " ".join(["specgraph", *sys.argv[1:]])
+    report = methods.get(args.method).train(args, progress=not args.json, command=command)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     return 0

@@ -195,7 +195,7 @@ def _bundle(path: Path) -> str | None:
 
 
 def _heads(path: Path) -> str | None:
-    from specgraph.medusa import FORMAT
+    from specgraph.methods.medusa.heads import FORMAT
 
     try:
         with path.open("rb") as f:

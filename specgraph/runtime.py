@@ -27,11 +27,11 @@ from specgraph.errors import BundleError, InputError
 from specgraph.exporters.manifest import read_manifest
 from specgraph.sampling import SamplingParams, uniform_stream
 
-# Inputs the host feeds and outputs it reads, with their ONNX types; past_* caches are float.
-_FED = {"tokens": "int64", "n_fixed": "int64", "cache_len": "int64", "history": "int64", "path_src": "int64",
-        "n_path": "int64", "tree_mask": "bool", "tree_depths": "int64", "tree_parent": "int64",
-        "tree_head": "int64", "tree_rank": "int64", "tree_retrieve": "int64", "temperature": "float",
+# Inputs every engine takes, with their ONNX types (a method's state and constants carry theirs
+# in the manifest), and the outputs the host reads.
+_FED = {"tokens": "int64", "n_fixed": "int64", "cache_len": "int64", "temperature": "float",
         "top_k": "int64", "top_p": "float", "uniforms": "float"}  # fmt: skip
+_ONNX_TYPES = {"float32": "float", "int64": "int64", "bool": "bool"}
 _READ = ("accepted", "n_accepted", "next_tokens", "cache_len_out")
 
 
@@ -136,10 +136,18 @@ class Engine:
         self.method: str = self.manifest["method"]
         self.max_context: int = self.manifest["max_context"]
         self.eos_token_ids: list[int] = list(self.manifest.get("eos_token_ids") or [])
-        self._kv = [v for v in self.manifest["graph"]["inputs"] if v["name"].startswith("past_")]
-        self._bindings: dict[str, str] = self.manifest["graph"].get("bindings", {})
-        self._trims: dict[str, str] = self.manifest["graph"].get("trims", {})
-        self._constants = self._tree_inputs() if self.method == "medusa" else {}
+        graph = self.manifest["graph"]
+        self._bindings: dict[str, str] = graph["bindings"]
+        self._trims: dict[str, str] = graph["trims"]
+        self._in_place: set[str] = set(graph["in_place"])
+        self._declared = {v["name"]: v for v in graph["inputs"]}
+        # a method's per-row state other than the caches: zeros at the first call, then fed by bindings
+        written = {self._bindings[o] for o in self._in_place}
+        self._zero_state = [name for name in graph["state"] if name not in written]
+        self._buffers = [self._declared[name] for name in graph["state"] if name in written]  # the caches
+        self._constants = {k: _constant(v) for k, v in graph["constants"].items()}
+        self.extra_slots: int = graph["extra_slots"]
+        self.draft_depth: int = self.manifest["draft_depth"]
         self.samples: bool = bool(self.manifest.get("sampling"))  # has the sampling inputs
         self._tokenizer: Any = None
         self._check_graph()
@@ -150,9 +158,7 @@ class Engine:
         declared = {v["name"]: v for v in self.manifest["graph"]["inputs"]}
         inputs = {v.name: v for v in self.session.get_inputs()}
         outputs = {v.name for v in self.session.get_outputs()}
-        fed = {"tokens", "n_fixed", "cache_len", *self._constants, *(v["name"] for v in self._kv)}
-        fed |= {"history"} if self.method == "lookup" else set()
-        fed |= {"path_src", "n_path"} if self.method == "medusa" else set()
+        fed = {"tokens", "n_fixed", "cache_len", *self._constants, *self.manifest["graph"]["state"]}
         fed |= set(sampling.INPUTS) if self.samples else set()
         problem = None
         if set(inputs) != fed or set(declared) != fed:
@@ -160,56 +166,35 @@ class Engine:
             problem = f"the graph's inputs do not match what its manifest describes ({', '.join(names[:3])})"
         elif not set(_READ) <= outputs:
             problem = f"the graph lacks outputs the host reads ({', '.join(sorted(set(_READ) - outputs))})"
+        state = set(self.manifest["graph"]["state"])
         for name, value in inputs.items():
-            want = _FED.get(name, "float")
-            if problem is None and value.type != f"tensor({want})":
+            if problem is not None:
+                break
+            want = _FED.get(name) or _ONNX_TYPES.get(declared[name]["dtype"], declared[name]["dtype"])
+            if value.type != f"tensor({want})":
                 problem = f"graph input {name} is {value.type}, the host feeds tensor({want})"
-            if problem is None and name.startswith("past_") and list(value.shape[1:]) != declared[name]["shape"][1:]:
+            elif name in state and list(value.shape[1:]) != declared[name]["shape"][1:]:
                 problem = f"graph input {name} has shape {value.shape}, the manifest says {declared[name]['shape']}"
-        for name in outputs:
-            if problem is None and name.startswith("present_") and name.replace("present_", "past_", 1) not in inputs:
-                problem = f"graph output {name} has no cache input to write into"
+        for name in self._in_place:
+            if problem is None and (name not in outputs or self._bindings.get(name) not in inputs):
+                problem = f"graph output {name} has no input to write into"
         if problem is not None:
             raise BundleError(f"{self.bundle}: {problem}; recompile the bundle")
 
-    def _tree_inputs(self) -> dict[str, np.ndarray]:
-        """Medusa: the candidate tree as constant engine inputs, and last round's path (none yet)."""
-        from specgraph.tree import load_tree
-
-        medusa = self.manifest["medusa"]
-        tree = load_tree(self.bundle / medusa["tree"])
-        self.tree = tree
-        self.path_width = int(medusa["num_heads"])
-        if tree.retrieve.shape[1] > self.path_width + 1:
-            raise BundleError(f"{self.bundle}: its tree is deeper than its {self.path_width} Medusa heads draft")
-        retrieve = np.full((tree.retrieve.shape[0], self.path_width + 1), -1, np.int64)
-        retrieve[:, : tree.retrieve.shape[1]] = tree.retrieve
-        return {
-            "tree_mask": np.ascontiguousarray(tree.ancestor_mask, dtype=bool),
-            "tree_depths": tree.depths.astype(np.int64),
-            "tree_parent": tree.parent.astype(np.int64),
-            "tree_head": tree.head.astype(np.int64),
-            "tree_rank": tree.rank.astype(np.int64),
-            "tree_retrieve": retrieve,
-        }
-
-    def _first_feeds(self, tokens: np.ndarray, n_fixed: int, cache_len: int) -> dict[str, Any]:
-        """Inputs of a call that does not follow another (prefill, timing)."""
+    def first_feeds(self, tokens: np.ndarray, n_fixed: int, cache_len: int) -> dict[str, Any]:
+        """Inputs of a call that does not follow another (prefill, timing): the method's state
+        zeroed, its constants as the manifest gives them."""
+        batch = tokens.shape[0]
         feeds: dict[str, Any] = {
             "tokens": tokens,
-            "n_fixed": np.full(tokens.shape[0], n_fixed, np.int64),
-            "cache_len": np.full(tokens.shape[0], cache_len, np.int64),
+            "n_fixed": np.full(batch, n_fixed, np.int64),
+            "cache_len": np.full(batch, cache_len, np.int64),
             **self._constants,
         }
-        if self.method == "medusa":
-            feeds["path_src"] = np.zeros((tokens.shape[0], self.path_width), np.int64)
-            feeds["n_path"] = np.zeros(tokens.shape[0], np.int64)
+        for name in self._zero_state:
+            v = self._declared[name]
+            feeds[name] = np.zeros([batch, *v["shape"][1:]], _NUMPY[v["dtype"]])
         return feeds
-
-    @property
-    def _extra_write(self) -> int:
-        """Cache slots a call writes beyond its tokens (Medusa moves last round's path first)."""
-        return self.path_width if self.method == "medusa" else 0
 
     @property
     def tokenizer(self) -> Any:
@@ -222,7 +207,7 @@ class Engine:
             self._tokenizer = load_tokenizer(self.bundle / tok_dir, error=BundleError)
         return self._tokenizer
 
-    def _sampling(self, params: SamplingParams | None) -> SamplingParams:
+    def check_sampling(self, params: SamplingParams | None) -> SamplingParams:
         """Checked parameters (greedy when none), refused if they sample and the bundle cannot."""
         params = (params or SamplingParams()).check()
         if not params.greedy and not self.samples:
@@ -230,8 +215,8 @@ class Engine:
                              "recompile it without those flags to sample")  # fmt: skip
         return params
 
-    def _new_state(self, batch: int, params: SamplingParams | None = None) -> dict[str, ort.OrtValue]:
-        """Fresh zeroed caches (and token history) for `batch` rows, and the sampling inputs
+    def new_state(self, batch: int, params: SamplingParams | None = None) -> dict[str, ort.OrtValue]:
+        """Fresh zeroed caches (the in-place state) for `batch` rows, and the sampling inputs
         (greedy unless `params` say otherwise; `params` must carry a seed)."""
         state = {}
         if self.samples:
@@ -241,14 +226,12 @@ class Engine:
             values = {"temperature": np.full(batch, p.temperature, np.float32), "top_k": np.full(batch, p.top_k, np.int64),
                       "top_p": np.full(batch, p.top_p, np.float32), "uniforms": uniforms}  # fmt: skip
             state.update({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in values.items()})
-        for v in self._kv:
+        for v in self._buffers:
             shape = [batch, *v["shape"][1:]]
             state[v["name"]] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
-        if self.method == "lookup":
-            state["history"] = ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, self.max_context + 1), np.int64))
         return state
 
-    def _call(self, io: ort.IOBinding, feeds: dict[str, Any], state: dict[str, ort.OrtValue]) -> dict[str, Any]:
+    def call(self, io: ort.IOBinding, feeds: dict[str, Any], state: dict[str, ort.OrtValue]) -> dict[str, Any]:
         """One engine call; caches are bound in place, every other output comes back as an OrtValue."""
         io.clear_binding_inputs()
         io.clear_binding_outputs()
@@ -261,8 +244,8 @@ class Engine:
             io.bind_ortvalue_input(name, value)
         bound = []
         for out in self.session.get_outputs():
-            if out.name.startswith("present_"):
-                io.bind_ortvalue_output(out.name, state[out.name.replace("present_", "past_", 1)])  # in place
+            if out.name in self._in_place:
+                io.bind_ortvalue_output(out.name, state[self._bindings[out.name]])  # in place
             else:
                 io.bind_output(out.name)
             bound.append(out.name)
@@ -307,7 +290,7 @@ class Engine:
         """Generate for equal-length prompts, one engine row each, in lockstep (rows that
         stopped keep running until all have). Row b draws with uniforms[b] of the seed's stream."""
         max_new_tokens = _check_max_new_tokens(max_new_tokens)
-        params = self._sampling(params)
+        params = self.check_sampling(params)
         params = params.with_seed() if not params.greedy else params
         if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
             prompts = list(prompts)
@@ -317,16 +300,16 @@ class Engine:
         if any(len(r) != len(rows[0]) for r in rows):
             raise InputError("generate_batch needs prompts of equal length")
         length = len(rows[0])
-        if length + self._extra_write >= self.max_context:
+        if length + self.extra_slots >= self.max_context:
             raise InputError(
                 f"prompt has {length} tokens but the engine's maximum context is {self.max_context}; "
                 "recompile with a larger --max-context or shorten the prompt"
             )
         batch = len(rows)
-        state = self._new_state(batch, params)
+        state = self.new_state(batch, params)
         io = self.session.io_binding()
         start = time.perf_counter()
-        out = self._call(io, self._first_feeds(np.asarray(rows, np.int64), length, 0), state)
+        out = self.call(io, self.first_feeds(np.asarray(rows, np.int64), length, 0), state)
         prefill_s = time.perf_counter() - start
         emitted: list[list[int]] = [[] for _ in rows]
         counts: list[list[int]] = [[] for _ in rows]
@@ -338,19 +321,17 @@ class Engine:
         while any(stop is None for stop in stops):
             if max(map(len, counts)) > self.max_context:  # every call fills at least one cache slot
                 raise BundleError(f"{self.bundle}: the engine makes no progress (its cache does not advance)")
-            width = out["next_tokens"].shape()[1] + self._extra_write
+            width = out["next_tokens"].shape()[1] + self.extra_slots
             if int(out["cache_len_out"].numpy().max()) + width > self.max_context:
                 stops = [stop or "max_context" for stop in stops]
                 break
             # Bind each output onto the input it feeds (manifest "bindings"); caches are in place.
-            feeds = {i: out[o] for o, i in self._bindings.items() if not o.startswith("present_")}
-            if "history" in feeds:
-                state["history"] = feeds.pop("history")
+            feeds = {i: out[o] for o, i in self._bindings.items() if o not in self._in_place}
             for name, count in self._trims.items():  # e.g. lookup sends only its real drafts
                 keep = 1 + int(out[count].numpy().max())
                 if keep < out[name].shape()[1]:
                     feeds[self._bindings[name]] = np.ascontiguousarray(out[name].numpy()[:, :keep])
-            out = self._call(io, {**feeds, **self._constants, "n_fixed": ones}, state)
+            out = self.call(io, {**feeds, **self._constants, "n_fixed": ones}, state)
             before = [len(e) if stop is None else -1 for e, stop in zip(emitted, stops, strict=True)]
             self._emit(out, emitted, stops, max_new_tokens, stop_at_eos, stream)
             for row, n in enumerate(before):
@@ -385,28 +366,15 @@ class Engine:
             if on_tokens and new:
                 on_tokens(new)
 
-    def time_call(
-        self, n_tokens: int, cache_len: int, repeats: int = 10, params: SamplingParams | None = None
-    ) -> float:
-        """Median seconds of one engine call that verifies `n_tokens` tokens at context
-        `cache_len` (the verify-cost curve c(N) is this over N). Uses a zeroed cache; greedy
-        unless `params` ask to sample (they need a seed then)."""
-        if cache_len + n_tokens > self.max_context:
-            raise InputError(f"cannot time {n_tokens} tokens at context {cache_len}: max context is {self.max_context}")
-        state = self._new_state(1, self._sampling(params))
-        io = self.session.io_binding()
-        rng = np.random.default_rng(0)
-        tokens = rng.integers(0, int(self.manifest["vocab_size"]), (1, n_tokens), dtype=np.int64)
-        feeds = self._first_feeds(tokens, 1, cache_len)
-        self._call(io, feeds, state)  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            self._call(io, feeds, state)
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
-
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
+
+
+_NUMPY = {"float32": np.float32, "int64": np.int64, "bool": np.bool_}
+
+
+def _constant(value: dict[str, Any]) -> np.ndarray:
+    """A manifest constant ({dtype, shape, data}; the schema checked them) as an array."""
+    return np.asarray(value["data"], _NUMPY[value["dtype"]]).reshape(value["shape"])

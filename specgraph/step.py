@@ -4,7 +4,7 @@ Inputs (every tensor keeps the batch dimension B):
   tokens      [B, T]  int64  the tokens to run: `n_fixed` known tokens, then the drafts
   n_fixed     [B]     int64  how many leading tokens are given (the prompt at prefill, 1 later)
   cache_len   [B]     int64  tokens already in the KV cache; this call writes at that offset
-  history     [B, S+1] int64 (lookup only) every token so far, for the n-gram proposer
+  *state_inputs       a drafter's own per-row state (lookup: history [B, S+1], every token so far)
   temperature [B] float, top_k [B] int64, top_p [B] float, uniforms [B, S+1] float
               (engines compiled with sampling; see sampling.py) how to draw, and the uniform
               for the token at each absolute position; temperature 0 is greedy
@@ -14,10 +14,9 @@ Outputs:
   n_accepted  [B]     int64
   next_tokens [B, 1+K] int64 next round's tokens: the bonus token then K drafts
   cache_len_out [B]   int64
-  n_draft     [B]     int64 (lookup only) how many of the K drafts are real: the next call should
-                      send tokens = next_tokens[:, :1 + max(n_draft)] (the rest repeat a token
-                      for want of a match, and verifying them costs time for nothing)
-  history_out (lookup only), present_key_i / present_value_i (bind them onto the inputs)
+  *draft_outputs      the drafter's state for the next call (`<name>_out` feeds `<name>`) and
+                      counts the host trims by (lookup: n_draft, see methods/lookup.py)
+  present_key_i / present_value_i (bound onto the caches: written in place)
   logits      [B, T, V] (only when compiled with `emit_logits`, for tests)
 
 The host binds each output to the matching input of the next call and emits accepted tokens;
@@ -36,14 +35,20 @@ _SPAN_BUCKET = 64  # attention reads cache slots in multiples of this
 
 
 class StepEngine(torch.nn.Module):
+    """The chain engine: verify the tokens given, accept the longest correct prefix, and propose
+    the next round's tokens with `draft`. This class drafts nothing (plain decoding); a chain
+    drafter subclasses it and declares the per-row state it carries between calls."""
+
+    state_inputs: tuple[str, ...] = ()  # drafter state [B, ...], zero at the first call; fed by `<name>_out`
+    draft_outputs: tuple[str, ...] = ()  # what `draft` returns besides next_tokens, in order
+    trims: dict[str, str] = {}  # output -> the count output that says how much of it the next call needs
+    extra_slots = 0  # cache slots a call writes beyond its tokens
+
     def __init__(
         self,
         target: torch.fx.GraphModule,
         num_layers: int,
         max_context: int,
-        method: str = "none",
-        num_draft: int = 0,
-        max_ngram: int = 3,
         sliding_window: int | None = None,
         emit_logits: bool = False,
         sampling: bool = False,
@@ -53,30 +58,27 @@ class StepEngine(torch.nn.Module):
         self.sampling = sampling
         self.num_layers = num_layers
         self.max_context = max_context
-        self.method = method
-        self.num_draft = num_draft if method == "lookup" else 0
-        self.max_ngram = max_ngram
         self.sliding_window = sliding_window
         self.emit_logits = emit_logits
 
     def io_names(self) -> tuple[list[str], list[str]]:
         """Graph input and output names, in the order forward takes and returns them."""
-        inputs = ["tokens", "n_fixed", "cache_len"]
-        outputs = ["accepted", "n_accepted", "next_tokens", "cache_len_out"]
-        if self.method == "lookup":
-            inputs.append("history")
-            outputs += ["history_out", "n_draft"]
+        inputs = ["tokens", "n_fixed", "cache_len", *self.state_inputs]
+        outputs = ["accepted", "n_accepted", "next_tokens", "cache_len_out", *self.draft_outputs]
         if self.sampling:
             inputs += sampling.INPUTS
         inputs += kv_names("past", self.num_layers)
         outputs += kv_names("present", self.num_layers)
         return inputs, outputs + (["logits"] if self.emit_logits else [])
 
+    def example_state(self, batch: int) -> list[torch.Tensor]:
+        """Example values of `state_inputs` for tracing."""
+        return []
+
     def example_inputs(self, kv_shapes: list[tuple[int, ...]], batch: int = 2, tokens: int = 4) -> tuple:
         """Inputs for tracing; batch and token counts must not be 1 (torch.export would specialise)."""
         args = [torch.zeros(batch, tokens, dtype=_I64), torch.ones(batch, dtype=_I64), torch.zeros(batch, dtype=_I64)]
-        if self.method == "lookup":
-            args.append(torch.zeros(batch, self.max_context + 1, dtype=_I64))
+        args += self.example_state(batch)
         if self.sampling:
             args += sampling.example_inputs(batch, self.max_context)
         return (*args, *(torch.zeros(batch, *shape) for shape in kv_shapes))
@@ -86,10 +88,16 @@ class StepEngine(torch.nn.Module):
         # forward(tokens, n_fixed, cache_len, *state): the varargs form one nested entry
         return ({0: batch, 1: tokens}, {0: batch}, {0: batch}, tuple({0: batch} for _ in args[3:]))
 
-    def forward(self, tokens, n_fixed, cache_len, *state):  # type: ignore[no-untyped-def]
-        history = state[0] if self.method == "lookup" else None
-        state = state[1:] if self.method == "lookup" else state
-        params, kv = (state[:4], state[4:]) if self.sampling else ((), state)
+    def draft(self, state, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
+        """Next round's tokens [B, 1+K] (the bonus, then K drafts) and the `draft_outputs`.
+        tokens [B, T] are this call's, cache_len [B] where they started; the committed ones are
+        the first cache_len_out - cache_len, and the bonus [B, 1] goes at position cache_len_out."""
+        return bonus, []
+
+    def forward(self, tokens, n_fixed, cache_len, *rest):  # type: ignore[no-untyped-def]
+        n_state = len(self.state_inputs)
+        state, rest = rest[:n_state], rest[n_state:]
+        params, kv = (rest[:4], rest[4:]) if self.sampling else ((), rest)
         b, t = tokens.shape
         s = kv[1].shape[-2]  # cache slots: past_value_0 is [B, Hkv, S, D]
         offsets = torch.arange(t, dtype=_I64)
@@ -111,15 +119,8 @@ class StepEngine(torch.nn.Module):
             pred = logits.argmax(dim=-1)  # [B, T]
         accepted, n_accepted, bonus, committed = accept_chain(tokens, pred, n_fixed)
         cache_len_out = cache_len + committed  # [B]
-        outputs = [accepted, n_accepted]
-        if self.method == "lookup":
-            history_out = _record(history, tokens, cache_len, bonus, cache_len_out)
-            drafts, n_draft = _lookup_drafts(history_out, cache_len_out, self.num_draft, self.max_ngram)
-            next_tokens = torch.cat([bonus, drafts], dim=1)  # [B, 1+K]
-            outputs += [next_tokens, cache_len_out, history_out, n_draft]
-        else:
-            outputs += [bonus, cache_len_out]
-        outputs += present
+        next_tokens, extra = self.draft(state, tokens, cache_len, bonus, cache_len_out)
+        outputs = [accepted, n_accepted, next_tokens, cache_len_out, *extra, *present]
         if self.emit_logits:
             outputs.append(logits)
         return tuple(outputs)
@@ -163,37 +164,3 @@ def accept_chain(tokens: torch.Tensor, pred: torch.Tensor, n_fixed: torch.Tensor
     accepted = out_seq.gather(1, gather_idx)  # [B, T]
     n_accepted = kept - n_fixed + 2  # accepted drafts plus the bonus
     return accepted, n_accepted, bonus, kept + 1
-
-
-def _record(history, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
-    """Write this call's tokens, then the bonus, into the token history ([B, S+1])."""
-    hist = torch.ops.specgraph.kv_write(history, tokens, cache_len, -1)
-    return torch.ops.specgraph.kv_write(hist, bonus, cache_len_out, -1)
-
-
-def _lookup_drafts(seq: torch.Tensor, last: torch.Tensor, k: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt-lookup drafting: find the latest earlier occurrence of the longest n-gram
-    (n = max_ngram..1) ending at position `last` and propose the k tokens that followed it.
-
-    seq [B, L] holds valid tokens at 0..last[b]; positions past `last` are ignored. Returns the
-    drafts [B, K] and how many are real [B]: a row with no match proposes the bonus token
-    repeated (0 real), and a match near the end repeats the last token past what followed it.
-    """
-    b, length = seq.shape
-    start = torch.full_like(last, -1)  # [B] first draft's index in seq, -1 = none yet
-    for n in range(max_ngram, 0, -1):
-        windows = length - n + 1
-        tail_idx = torch.clamp(last[:, None] - (n - 1) + torch.arange(n, dtype=_I64)[None, :], min=0)  # [B, n]
-        tail = seq.gather(1, tail_idx)  # [B, n]
-        hit = torch.ones(b, windows, dtype=torch.bool)
-        for i in range(n):
-            hit = hit & (seq[:, i : i + windows] == tail[:, i : i + 1])  # [B, W]
-        j = torch.arange(windows, dtype=_I64)[None, :]
-        valid = (j <= (last[:, None] - n)) & (last[:, None] >= n - 1)  # strictly earlier than the tail
-        best = torch.where(hit & valid, j, torch.full_like(j, -1)).max(dim=-1).values  # [B] latest match
-        found = torch.where(best >= 0, best + n, torch.full_like(best, -1))
-        start = torch.where(start < 0, found, start)
-    idx = start[:, None] + torch.arange(k, dtype=_I64)[None, :]  # [B, K]
-    idx = torch.where(start[:, None] < 0, last[:, None], torch.minimum(idx, last[:, None]))
-    real = torch.where(start < 0, torch.zeros_like(start), torch.clamp(last - start + 1, max=k))  # [B]
-    return seq.gather(1, idx), real

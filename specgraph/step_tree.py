@@ -1,5 +1,6 @@
-"""The Medusa step engine: verify a tree of candidates in one call, accept the longest correct
-branch, and draft the next tree from the heads at the last accepted token.
+"""The tree step engine: verify a tree of candidates in one call, accept the longest correct
+branch, and let the drafter (`propose`, e.g. Medusa's heads in methods/medusa) fill the next
+tree from the hidden state of the last accepted token. Every tree method is verified here.
 
 Inputs beyond the chain engine's (see step.py):
   path_src [B, P], n_path [B]   last round's accepted nodes, moved into place by this call's write
@@ -22,7 +23,6 @@ from specgraph import sampling
 from specgraph.step import _SPAN_BUCKET, accept_chain, dims, kv_names
 
 _I64 = torch.int64
-TOPK = 10  # candidates kept per head; tree ranks must be below this
 
 
 class TreeStepEngine(torch.nn.Module):
@@ -32,7 +32,6 @@ class TreeStepEngine(torch.nn.Module):
         num_layers: int,
         max_context: int,
         num_heads: int,
-        lm_head_weight: str,
         sliding_window: int | None = None,
         emit_logits: bool = False,
         typical: tuple[float, float, float] | None = None,
@@ -43,18 +42,23 @@ class TreeStepEngine(torch.nn.Module):
         self.target = target
         self.num_layers = num_layers
         self.max_context = max_context
-        self.num_heads = num_heads
-        self.lm_head_weight = lm_head_weight
+        self.num_heads = num_heads  # the deepest tree the drafter fills (Medusa: one head per depth)
         self.sliding_window = sliding_window
         self.emit_logits = emit_logits
-        self.method = "medusa"
         self.typical = typical  # (threshold, alpha, temperature): Medusa's LOSSY typical acceptance
-        self.heads_meta: dict = {}  # the heads file's header (training figures, measured acceptance)
+
+    state_inputs = ("path_src", "n_path")  # last round's accepted path, zero at the first call
+    trims: dict[str, str] = {}
 
     @property
-    def candidates_per_head(self) -> int:
-        """The top tokens kept per head (TOPK, or the whole vocabulary when it is smaller)."""
-        return min(TOPK, int(self.target.get_parameter(self.lm_head_weight).shape[0]))
+    def extra_slots(self) -> int:
+        """Cache slots a call writes beyond its tokens: last round's path, moved into place."""
+        return self.num_heads
+
+    def propose(self, h: torch.Tensor, tree_head: torch.Tensor, tree_rank: torch.Tensor) -> torch.Tensor:
+        """The next tree's tokens [B, N] from the hidden state h [B, H] of the last accepted token:
+        node i is the drafter's rank `tree_rank[i]` candidate at depth `tree_head[i] + 1`."""
+        raise NotImplementedError
 
     TREE_INPUTS = ("tree_mask", "tree_depths", "tree_parent", "tree_head", "tree_rank", "tree_retrieve")
 
@@ -165,20 +169,9 @@ class TreeStepEngine(torch.nn.Module):
         path_src_out = torch.where(row, committed[:, None] + branch[:, 1:].clamp(min=0), torch.zeros_like(path_src))
         n_path_out = torch.where(is_tree, n_acc, torch.zeros_like(n_acc))
 
-        # Next tree: the heads read the hidden state of the last accepted token.
+        # Next tree: the drafter reads the hidden state of the last accepted token.
         h = hidden.gather(1, last_node[:, :, None].expand(b, 1, hidden.shape[-1]))[:, 0]  # [B, H]
-        medusa = self.target.medusa_heads
-        states = medusa(h)  # [B, K, H]
-        weight = self.target.get_parameter(self.lm_head_weight)
-        if medusa.lm_heads is None:  # shared LM head: one 2-D product, exported as Gemm on the stored weight
-            head_logits = torch.nn.functional.linear(states.reshape(b * self.num_heads, -1), weight)
-            head_logits = head_logits.reshape(b, self.num_heads, -1)  # [B, K, V]
-        else:
-            head_logits = medusa.readout(states, weight)  # [B, K, V], one LM head per Medusa head
-        keep = self.candidates_per_head
-        candidates = torch.topk(head_logits, keep, dim=-1).indices.reshape(b, self.num_heads * keep)  # [B, K*10]
-        pick = (tree_head.clamp(min=0) * keep + tree_rank)[None, :].expand(b, n_nodes)  # [B, N]
-        nodes = candidates.gather(1, pick)  # [B, N]
+        nodes = self.propose(h, tree_head, tree_rank)  # [B, N]
         next_tokens = torch.cat([bonus, nodes[:, 1:]], dim=1)  # [B, N]: root = bonus
 
         outputs = [accepted, n_accepted, next_tokens, cache_len_out, path_src_out, n_path_out, *present]

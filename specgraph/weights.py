@@ -30,7 +30,8 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 _ACCURACY = {"fp32": 1, "int8": 4}  # MatMulNBits accuracy_level
 
 
-def check_weights(weights: str, activations: str, block_size: int, method: str = "none") -> None:
+def check_weights(weights: str, activations: str, block_size: int, method: str = "none",
+                  speculative: bool = False) -> None:  # fmt: skip
     if weights not in WEIGHTS:
         raise InputError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
     if activations not in ACTIVATIONS:
@@ -39,7 +40,7 @@ def check_weights(weights: str, activations: str, block_size: int, method: str =
         raise InputError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size}")
     if activations == "int8" and weights == "fp32":
         raise InputError("--activations int8 needs quantised weights: --weights source (a GGUF), int8 or int4")
-    if activations == "int8" and method != "none":
+    if activations == "int8" and speculative:
         # Measured on SmolLM2: ONNX Runtime's one-row and many-row int8 kernels quantise activations
         # differently (logits differ by 3e-2 relative), so a verify call of several tokens computes
         # another model than a one-token step, and speculation could not be lossless.
@@ -92,8 +93,10 @@ def store_weights(
     activations: str,
     block_size: int,
     progress: Callable[[str], None] | None = None,
+    skip: str | None = None,
 ) -> dict[str, Any]:
-    """Rewrite the exported engine's matrices for `weights`; return the manifest's `weights` section."""
+    """Rewrite the exported engine's matrices for `weights`; return the manifest's `weights` section.
+    Initializers whose names start with `skip` (a drafter's own weights) are left as they are."""
     from specgraph import blocks
     from specgraph.exporters.nbits import run_weights_as_blocks
 
@@ -109,6 +112,9 @@ def store_weights(
         bits = 8 if weights == "int8" else 4
         section["block_size"] = block_size
         lookup = lambda _name, w: [blocks.quantize(w, bits, block_size)]  # noqa: E731
+    if lookup is not None and skip:
+        inner = lookup
+        lookup = lambda name, w: None if name.startswith(skip) else inner(name, w)  # noqa: E731
     if lookup is None:
         if activations != "fp32":
             raise InputError(f"--activations {activations} needs quantised weights; {model} has none stored")

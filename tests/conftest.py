@@ -36,14 +36,8 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_folder):
         key = (family, method)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"bundle_{family}_{method}") / "bundle"
-            cfg = CompileConfig(
-                model=str(tiny_folder(family)),
-                output=out,
-                method=method,
-                max_context=160,
-                num_draft=5,
-                emit_logits=True,
-            )
+            own = {"num_draft": 5} if method == "lookup" else {}  # the method's own options
+            cfg = CompileConfig.of(tiny_folder(family), out, method, max_context=160, emit_logits=True, **own)
             compile_model(cfg)
             cache[key] = out
         return cache[key]

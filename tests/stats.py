@@ -12,7 +12,7 @@ from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specgraph.compiler import CompileConfig
-from specgraph.medusa import MedusaHeads, save_heads
+from specgraph.methods.medusa.heads import MedusaHeads, save_heads
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams
 
@@ -33,8 +33,9 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
             module.bias.normal_(0, 0.05)
         save_heads(heads, module, {"vocab_size": 8, "model": "tiny"})
         tree.write_text(json.dumps({"paths": TREE}))
-    return CompileConfig(model=str(folder), output=root / method, method=method.split("-")[0], max_context=64,
-                         num_draft=3, heads=str(heads), tree=str(tree))  # fmt: skip
+    name = method.split("-")[0]
+    own = {"lookup": {"num_draft": 3}, "medusa": {"heads": str(heads), "tree": str(tree)}}.get(name, {})
+    return CompileConfig.of(folder, root / method, name, max_context=64, **own)
 
 
 def hf_law(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> np.ndarray:

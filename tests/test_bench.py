@@ -296,7 +296,7 @@ def gguf_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         )
         patch.setattr(writer, "add_token_merges", lambda self, merges: add_merges(self, ["Ġ Ġ"]))
         gguf = write_llama_gguf(folder / "tiny.gguf", "Q4_1", "Q8_0")
-    compile_model(CompileConfig(model=str(gguf), output=folder / "none", method="none", max_context=160))
+    compile_model(CompileConfig.of(model=str(gguf), output=folder / "none", method="none", max_context=160))
     return gguf, folder / "none"
 
 

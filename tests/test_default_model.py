@@ -29,7 +29,7 @@ def default(tmp_path_factory):
     bundles = {}
     for method in ("none", "lookup", "medusa"):
         # medusa: the shipped heads with the default tree
-        cfg = CompileConfig(
+        cfg = CompileConfig.of(
             model="smollm2-135m", output=out / method, method=method, max_context=512, emit_logits=method == "none"
         )
         compile_model(cfg)
@@ -61,7 +61,7 @@ def test_logits_match_eager(default):
         "n_fixed": np.asarray([len(prompt)], np.int64),
         "cache_len": np.zeros(1, np.int64),
     }
-    got = engine._call(engine.session.io_binding(), feeds, engine._new_state(1))["logits"].numpy()[0]
+    got = engine.call(engine.session.io_binding(), feeds, engine.new_state(1))["logits"].numpy()[0]
     with torch.no_grad():
         want = loaded.hf_model(torch.tensor([prompt])).logits[0].numpy()
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

@@ -46,13 +46,13 @@ def test_prefill_logits_match_eager(family, tiny_bundle):
     model = build(family)
     engine = Engine(tiny_bundle(family, "none"))
     prompt = PROMPTS[2]
-    state = engine._new_state(1)
+    state = engine.new_state(1)
     feeds = {
         "tokens": np.asarray([prompt], np.int64),
         "n_fixed": np.asarray([len(prompt)], np.int64),
         "cache_len": np.zeros(1, np.int64),
     }
-    out = engine._call(engine.session.io_binding(), feeds, state)
+    out = engine.call(engine.session.io_binding(), feeds, state)
     got = out["logits"].numpy()[0]
     with torch.no_grad():
         want = model(torch.tensor([prompt])).logits[0].numpy()
@@ -65,14 +65,14 @@ def test_step_logits_match_eager_with_cache(tiny_bundle):
     model = build("llama")
     engine = Engine(tiny_bundle("llama", "none"))
     prompt = PROMPTS[1]
-    state = engine._new_state(1)
+    state = engine.new_state(1)
     io = engine.session.io_binding()
     feeds = {
         "tokens": np.asarray([prompt], np.int64),
         "n_fixed": np.asarray([len(prompt)], np.int64),
         "cache_len": np.zeros(1, np.int64),
     }
-    out = engine._call(io, feeds, state)
+    out = engine.call(io, feeds, state)
     seq = list(prompt)
     for _ in range(8):
         token = int(out["next_tokens"].numpy()[0, 0])
@@ -82,7 +82,7 @@ def test_step_logits_match_eager_with_cache(tiny_bundle):
             "n_fixed": np.ones(1, np.int64),
             "cache_len": out["cache_len_out"].numpy(),
         }
-        out = engine._call(io, feeds, state)
+        out = engine.call(io, feeds, state)
         with torch.no_grad():
             want = model(torch.tensor([seq])).logits[0, -1].numpy()
         got = out["logits"].numpy()[0, -1]
@@ -94,20 +94,20 @@ def test_verify_of_several_tokens_matches_eager(tiny_bundle):
     model = build("qwen2")
     engine = Engine(tiny_bundle("qwen2", "none"))
     prompt, drafts = PROMPTS[1], [9, 8, 7, 6]
-    state = engine._new_state(1)
+    state = engine.new_state(1)
     io = engine.session.io_binding()
     feeds = {
         "tokens": np.asarray([prompt[:-1]], np.int64),
         "n_fixed": np.asarray([len(prompt) - 1], np.int64),
         "cache_len": np.zeros(1, np.int64),
     }
-    engine._call(io, feeds, state)
+    engine.call(io, feeds, state)
     feeds = {
         "tokens": np.asarray([[prompt[-1], *drafts]], np.int64),
         "n_fixed": np.ones(1, np.int64),
         "cache_len": np.asarray([len(prompt) - 1], np.int64),
     }
-    got = engine._call(io, feeds, state)["logits"].numpy()[0]
+    got = engine.call(io, feeds, state)["logits"].numpy()[0]
     with torch.no_grad():
         want = model(torch.tensor([prompt + drafts])).logits[0, len(prompt) - 1 :].numpy()
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
@@ -140,7 +140,7 @@ def test_user_traced_torch_export_file(tmp_path):
     torch.export.save(export_hf(model, 256), str(path))
     for method in ("none", "lookup"):
         bundle = tmp_path / method
-        compile_model(CompileConfig(model=str(path), output=bundle, method=method, max_context=128))
+        compile_model(CompileConfig.of(model=str(path), output=bundle, method=method, max_context=128))
         engine = Engine(bundle)
         assert engine.manifest["source"]["kind"] == "torch.export" and engine.manifest["tokenizer"] is None
         for prompt in PROMPTS[:2]:

@@ -9,7 +9,7 @@ import torch
 
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.errors import InputError
-from specgraph.medusa import MedusaHeads, save_heads
+from specgraph.methods.medusa.heads import MedusaHeads, save_heads
 from specgraph.ops import compact_update
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
@@ -31,7 +31,7 @@ def _heads(tmp_path, hidden: int = 64, vocab: int = VOCAB, seed: int = 1):
 
 
 def _compile(folder, out, heads, tree="default", max_context=320):
-    cfg = CompileConfig(model=str(folder), output=out, method="medusa", max_context=max_context, heads=str(heads),
+    cfg = CompileConfig.of(model=str(folder), output=out, method="medusa", max_context=max_context, heads=str(heads),
                         tree=tree)  # fmt: skip
     return compile_model(cfg)
 
@@ -47,7 +47,7 @@ def test_medusa_greedy_matches_hf_generate(family, tree, tiny_folder, tmp_path):
         assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, 64))
         accepted.append(result.mean_accepted)
     if tree == "mc_sim_7b_63":
-        assert engine.tree.size == 64
+        assert engine.manifest["medusa"]["tree_size"] == 64
         assert max(accepted) > 2.0  # the tiny model repeats itself: deep branches get accepted and compacted
 
 
@@ -106,7 +106,7 @@ def test_typical_acceptance_is_flagged_lossy_and_accepts_more(tiny_folder, tmp_p
     the first step, and the bundle says it is not lossless."""
     heads = _heads(tmp_path)
     for rule in ("greedy", "typical"):
-        cfg = CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / rule, method="medusa", max_context=320,
+        cfg = CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / rule, method="medusa", max_context=320,
                             heads=str(heads), tree="chain-4", acceptance=rule)  # fmt: skip
         compile_model(cfg)
     greedy, typical = Engine(tmp_path / "greedy"), Engine(tmp_path / "typical")
@@ -119,6 +119,5 @@ def test_typical_acceptance_is_flagged_lossy_and_accepts_more(tiny_folder, tmp_p
 
 
 def test_typical_acceptance_needs_medusa(tiny_folder, tmp_path):
-    cfg = CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / "b", method="lookup", acceptance="typical")
-    with pytest.raises(InputError, match="typical with --method medusa"):
-        compile_model(cfg)
+    with pytest.raises(InputError, match="--method lookup has no option 'acceptance'"):
+        CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", method="lookup", acceptance="typical")

@@ -19,7 +19,7 @@ import torch
 
 import specgraph.bench
 import specgraph.compiler
-import specgraph.train
+import specgraph.methods.medusa.train
 from specgraph.cli import main
 from specgraph.errors import InputError, OutputError
 from specgraph.outputs import BENCH_JSON, BUNDLE, HEADS, check_output, replace_dir, staging_dir, write_file
@@ -57,7 +57,7 @@ def tripwire(monkeypatch):
         raise Reached("the long work started before the output was checked")
 
     monkeypatch.setattr(specgraph.compiler, "load_model", boom)
-    monkeypatch.setattr(specgraph.train, "load_model", boom)
+    monkeypatch.setattr(specgraph.methods.medusa.train, "load_model", boom)
     monkeypatch.setattr(specgraph.bench, "run_bench", boom)
 
 
@@ -190,9 +190,9 @@ def test_train_refuses_to_overwrite_weights_and_folders(workdir, tripwire, capsy
 def test_train_api_checks_its_output_first(workdir, tripwire):
     before = tree_hash(workdir)
     with pytest.raises(OutputError, match="which this command reads"):
-        specgraph.train.train_medusa("model", "prompts.jsonl", "model/model.safetensors", progress=False)
+        specgraph.methods.medusa.train.train_medusa("model", "prompts.jsonl", "model/model.safetensors", progress=False)
     with pytest.raises(Reached):  # a new path is fine: the work starts
-        specgraph.train.train_medusa("model", "prompts.jsonl", "new/heads.safetensors", progress=False)
+        specgraph.methods.medusa.train.train_medusa("model", "prompts.jsonl", "new/heads.safetensors", progress=False)
     assert tree_hash(workdir) == before and not (workdir / "new").exists()
 
 
@@ -265,7 +265,7 @@ def test_a_bundle_replaces_ours_atomically_and_a_failed_swap_keeps_the_old_one(t
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
-    from specgraph.medusa import MedusaHeads, save_heads
+    from specgraph.methods.medusa.heads import MedusaHeads, save_heads
 
     heads = tmp_path / "h.safetensors"
     save_heads(heads, MedusaHeads(8, 2), {"model": "x"})
@@ -311,7 +311,7 @@ def test_a_compile_that_fails_half_way_keeps_the_old_bundle(tiny_folder, tmp_pat
 
     monkeypatch.setattr(specgraph.compiler, "export_onnx", failing_export)
     with pytest.raises(ExportError):
-        compile_model(CompileConfig(model=str(tiny_folder("llama")), output=old, max_context=32))
+        compile_model(CompileConfig.of(model=str(tiny_folder("llama")), output=old, max_context=32))
     assert tree_hash(tmp_path) == before  # the old bundle whole, and no staging folder left beside it
 
 
@@ -355,7 +355,7 @@ def test_a_program_without_a_config_is_held_to_its_position_table(tmp_path, monk
     torch.export.save(export_hf(_gpt2(32), 32), str(path))
     monkeypatch.setattr(specgraph.compiler, "export_onnx", lambda *_a: (_ for _ in ()).throw(Reached("exported")))
     with pytest.raises(InputError, match="exceeds the model's 32 learned positions"):
-        compile_model(CompileConfig(model=str(path), output=tmp_path / "b", max_context=64))
+        compile_model(CompileConfig.of(model=str(path), output=tmp_path / "b", max_context=64))
     assert not (tmp_path / "b").exists()
 
 
@@ -386,7 +386,7 @@ def test_nested_json_and_unknown_ids_in_prompt_files(workdir, tmp_path, tiny_bun
         run_bench(bundle, str(negative), progress=False, baseline=False)
     for prompts in (deep, oov):  # train reads the same files, before generating anything
         with pytest.raises(InputError, match="nested too deeply|outside this model's vocabulary"):
-            specgraph.train.train_medusa("model", str(prompts), tmp_path / "h.safetensors", progress=False,
+            specgraph.methods.medusa.train.train_medusa("model", str(prompts), tmp_path / "h.safetensors", progress=False,
                                          engine_bundle=bundle)  # fmt: skip
     assert not (tmp_path / "h.safetensors").exists()
 
@@ -398,11 +398,11 @@ def test_all_prompts_too_long_says_so_before_compiling(workdir, tmp_path, monkey
     def boom(*_a, **_k):
         raise Reached("compiled an engine for prompts that cannot fit")
 
-    monkeypatch.setattr(specgraph.train, "_compile_none", boom)
+    monkeypatch.setattr(specgraph.methods.medusa.train, "_compile_none", boom)
     long = tmp_path / "long.jsonl"
     long.write_text("".join(json.dumps({"prompt_ids": [5] * 600}) + "\n" for _ in range(3)))
     with pytest.raises(InputError, match=r"3 of the 3 prompts .* are too long.*shorter than 510 tokens"):
-        specgraph.train.train_medusa("model", str(long), tmp_path / "h.safetensors", progress=False)
+        specgraph.methods.medusa.train.train_medusa("model", str(long), tmp_path / "h.safetensors", progress=False)
 
 
 def test_plot_is_written_to_exactly_the_path_it_names(tmp_path, monkeypatch, capsys):

@@ -204,7 +204,9 @@ def test_bad_sampling_values_are_one_line_errors(kwargs, message, tiny_bundle):
 
 
 def test_a_greedy_only_bundle_refuses_to_sample(tiny_folder, tmp_path):
-    compile_model(CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / "b", max_context=64, sampling=False))
+    compile_model(
+        CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", max_context=64, sampling=False)
+    )
     engine = Engine(tmp_path / "b")
     assert not engine.samples and "temperature" not in [i.name for i in engine.session.get_inputs()]
     assert engine.generate([1, 2, 3], 4, temperature=0).output_ids  # greedy still works

@@ -155,7 +155,7 @@ def test_compiled_bundle_from_a_relative_path_is_code_free_and_records_an_absolu
     folder = _evil_folder(tmp_path, marker, local_class=True)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))
-    compile_model(CompileConfig(model=folder.name, output=Path("bundle"), max_context=32, sampling=False))
+    compile_model(CompileConfig.of(model=folder.name, output=Path("bundle"), max_context=32, sampling=False))
     bundle = tmp_path / "bundle"
     manifest = read_manifest(bundle)
     assert not marker.exists() and not list(bundle.rglob("*.py"))
@@ -516,12 +516,6 @@ def _abs(outside: Path, name: str) -> str:
         lambda m, o: m["graph"].update(weights="../outside/model.onnx.data"),
         lambda m, o: m.update(tokenizer="../outside/tokenizer"),
         lambda m, o: m.update(tokenizer=_abs(o, "tokenizer")),
-        lambda m, o: m.update(
-            method="medusa", medusa={"num_heads": 2, "tree": "/etc/passwd", "tree_size": 3, "tree_depth": 2}
-        ),  # fmt: skip
-        lambda m, o: m.update(
-            method="medusa", medusa={"num_heads": 2, "tree": "../outside/secret.json", "tree_size": 3, "tree_depth": 2}
-        ),  # fmt: skip
         lambda m, o: m["graph"].update(file="sub/../../outside/model.onnx"),
         lambda m, o: m["graph"].update(file="C:/outside/model.onnx"),
         lambda m, o: m["graph"].update(file="model.onnx\\..\\..\\outside"),
@@ -532,8 +526,6 @@ def _abs(outside: Path, name: str) -> str:
         "weights-dotdot",
         "tok-dotdot",
         "tok-abs",
-        "tree-etc",
-        "tree-dotdot",
         "graph-nested-dotdot",
         "graph-drive",
         "graph-backslash",
@@ -543,6 +535,26 @@ def test_manifest_paths_stay_inside_the_bundle(hostile, outside: Path, change) -
     bundle, refused = hostile
     _edit(bundle, lambda m: change(m, outside))
     refused("relative path inside the bundle")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda g: g.update(constants={"tokens": {"dtype": "int64", "shape": [2], "data": [1]}}), "2 values"),
+        (lambda g: g.update(constants={"tokens": {"dtype": "int8", "shape": [1], "data": [1]}}), "one of bool"),
+        (lambda g: g.update(constants={"tokens": {"dtype": "int64", "shape": [1], "data": ["x"]}}), "int64 value"),
+        (lambda g: g.update(constants={"nowhere": {"dtype": "int64", "shape": [1], "data": [1]}}), "graph inputs"),
+        (lambda g: g.update(state=[*g["state"], "nowhere"]), "graph inputs"),
+        (lambda g: g.update(in_place=["accepted"]), "bound to the input"),
+        (lambda g: g.update(extra_slots=-1), "graph.extra_slots"),
+    ],
+    ids=["constant-size", "constant-dtype", "constant-value", "constant-name", "state-name", "in-place", "slots"],
+)
+def test_graph_section_is_checked_before_the_engine_runs(hostile, change, match: str) -> None:
+    """What a host zero-fills, binds once or writes in place comes from the manifest: checked first."""
+    bundle, refused = hostile
+    _edit(bundle, lambda m: change(m["graph"]))
+    refused(match)
 
 
 @pytest.mark.parametrize(

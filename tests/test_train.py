@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specgraph.errors import InputError
-from specgraph.medusa import load_heads
-from specgraph.train import train_medusa
+from specgraph.methods.medusa.heads import load_heads
+from specgraph.methods.medusa.train import train_medusa
 
 HEADS = 3
 HIDDEN = 64  # tests/models/tiny.py
@@ -119,7 +119,7 @@ def test_trained_heads_compile_and_stay_lossless(trained, tiny_folder, tmp_path)
     from tests.models.tiny import build
 
     _, kwargs = trained
-    cfg = CompileConfig(model=kwargs["model"], output=tmp_path / "m", method="medusa", max_context=320,
+    cfg = CompileConfig.of(model=kwargs["model"], output=tmp_path / "m", method="medusa", max_context=320,
                         heads=str(kwargs["output"]), tree="chain-4" if HEADS >= 4 else "auto")  # fmt: skip
     compile_model(cfg)
     engine, model = Engine(tmp_path / "m"), build("llama")
@@ -141,7 +141,7 @@ def test_separate_lm_heads_train_and_compile(tiny_folder, tiny_bundle, tmp_path)
                  separate_lm_heads=True)  # fmt: skip
     heads, _ = load_heads(out, HIDDEN, VOCAB)
     assert heads.lm_heads is not None and tuple(heads.lm_heads.shape) == (2, VOCAB, HIDDEN)
-    compile_model(CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / "m", method="medusa",
+    compile_model(CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "m", method="medusa",
                                 max_context=320, heads=str(out), tree=str(_tree2(tmp_path))))  # fmt: skip
     engine, model = Engine(tmp_path / "m"), build("llama")
     prompt = [5, 6, 7, 8, 5, 6, 7]

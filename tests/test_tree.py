@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specgraph.errors import InputError
-from specgraph.tree import DEFAULT_TREE, Tree, _cost_curve, build_tree, load_tree, named_tree, tree_names
+from specgraph.methods.medusa.tree import DEFAULT_TREE, Tree, _cost_curve, build_tree, load_tree, named_tree, tree_names
 
 # The realistic cost curve of the brief: c(n)/c(1) measured at powers of two.
 REALISTIC = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 1.8, 32: 2.6, 64: 4.6}

@@ -67,7 +67,7 @@ def _gguf_bundle(tmp_path, matrices: str, embedding: str, method: str, **kw):
     path = write_llama_gguf(tmp_path / f"{matrices}-{embedding}.gguf", matrices, embedding)
     out = tmp_path / f"b-{method}"
     extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
-    compile_model(CompileConfig(model=str(path), output=out, method=method, max_context=160, **extra, **kw))
+    compile_model(CompileConfig.of(model=str(path), output=out, method=method, max_context=160, **extra, **kw))
     return path, out
 
 
@@ -96,7 +96,7 @@ def test_stored_block_logits_match_the_dequantised_model(tmp_path):
     prompt = PROMPTS[2]
     feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
              "cache_len": np.zeros(1, np.int64)}  # fmt: skip
-    got = engine._call(engine.session.io_binding(), feeds, engine._new_state(1))["logits"].numpy()[0]
+    got = engine.call(engine.session.io_binding(), feeds, engine.new_state(1))["logits"].numpy()[0]
     model, _tok = read_gguf(path)
     with torch.no_grad():
         want = model(torch.tensor([prompt])).logits[0].numpy()
@@ -111,7 +111,7 @@ def test_speculation_equals_its_own_none_engine(weights, activations, tiny_folde
     engines = {}
     for method in ("none", "lookup", "medusa"):
         extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
-        cfg = CompileConfig(model=str(folder), output=tmp_path / method, method=method, max_context=160,
+        cfg = CompileConfig.of(model=str(folder), output=tmp_path / method, method=method, max_context=160,
                             weights=weights, activations=activations, **extra)  # fmt: skip
         compile_model(cfg)
         engines[method] = Engine(tmp_path / method)
@@ -135,7 +135,7 @@ def test_int8_activations_are_refused_for_speculation(method, tiny_folder, tmp_p
     _cli_refuses([*args, "--activations", "int8"], capsys, "needs --activations fp32")
     assert not (tmp_path / "out").exists()
     compile_model(
-        CompileConfig(model=folder, output=tmp_path / "b", max_context=160, weights="int4", activations="int8")
+        CompileConfig.of(model=folder, output=tmp_path / "b", max_context=160, weights="int4", activations="int8")
     )
     assert Engine(tmp_path / "b").manifest["weights"]["exact"] is False  # plain decoding at int8 activations is offered
 
@@ -145,7 +145,7 @@ def test_int4_engine_matches_hf_with_the_same_weights(tiny_folder, tmp_path):
     from tests.models.tiny import build
 
     compile_model(
-        CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / "b", max_context=160, weights="int4")
+        CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", max_context=160, weights="int4")
     )
     engine = Engine(tmp_path / "b")
     model = build("llama")
@@ -184,12 +184,12 @@ def test_block_size_must_divide_every_weight(tiny_folder, tmp_path, capsys):
                  "does not divide")  # fmt: skip
     assert not (tmp_path / "out").exists()
     with pytest.raises(InputError, match="block-size must be one of"):
-        CompileConfig(model=folder, output=tmp_path / "o", weights="int4", block_size=48).check()
+        CompileConfig.of(model=folder, output=tmp_path / "o", weights="int4", block_size=48).check()
     with pytest.raises(InputError, match="needs quantised weights"):
-        CompileConfig(model=folder, output=tmp_path / "o", weights="fp32", activations="int8").check()
+        CompileConfig.of(model=folder, output=tmp_path / "o", weights="fp32", activations="int8").check()
 
 
 def test_float_sources_keep_float32_under_source(tiny_folder, tmp_path):
-    compile_model(CompileConfig(model=str(tiny_folder("llama")), output=tmp_path / "b", max_context=160))
+    compile_model(CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", max_context=160))
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["weights"] == {"weights": "source", "activations": "fp32", "stored": "float32"}

@@ -32,6 +32,7 @@ class MedusaHeads(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, out, in]
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))  # [K, H]
         self.lm_heads = None if lm_heads is None else torch.nn.Parameter(lm_heads.clone())  # [K, V, H]
+        self.meta: dict[str, Any] = {}  # a loaded file's header: model, training figures, measured acceptance
 
     def readout(self, h: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Head states h [..., K, H] -> logits [..., K, V], through `shared` [V, H] or own LM heads."""
@@ -88,4 +89,5 @@ def load_heads(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[Med
     with torch.no_grad():
         heads.weight.copy_(weight)
         heads.bias.copy_(bias)
+    heads.meta = meta
     return heads, meta

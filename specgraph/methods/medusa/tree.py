@@ -24,7 +24,7 @@ import numpy as np
 from specgraph.errors import InputError
 
 TreePath = tuple[int, ...]
-_TREES = Path(__file__).with_name("data") / "trees"
+_TREES = Path(__file__).resolve().parents[2] / "data" / "trees"
 
 
 @dataclass(frozen=True)

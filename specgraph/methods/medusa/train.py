@@ -30,13 +30,13 @@ from tqdm import tqdm
 from specgraph.bench import _read_records, _resolve_prompt_file, checked_ids, encode_prompt
 from specgraph.errors import InputError, OutputError
 from specgraph.loaders import LoadedModel, load_model, load_tokenizer
-from specgraph.medusa import MedusaHeads, save_heads
+from specgraph.methods.medusa.heads import MedusaHeads, save_heads
 from specgraph.outputs import GEN_CACHE, HEADS, check_output, write_file
 
 HEAD_DECAY = 0.8  # loss weight of head k is HEAD_DECAY**k (Medusa-1)
 RANKS = 10  # acceptance[k][r] for r < RANKS
 IGNORE = -100  # target id where t + k + 2 runs past the end of the sequence
-TRAIN_SET = Path(__file__).with_name("data") / "train.jsonl"  # what prompts="train" names
+TRAIN_SET = Path(__file__).resolve().parents[2] / "data" / "train.jsonl"  # what prompts="train" names
 
 
 def train_medusa(
@@ -415,4 +415,4 @@ def _python_command(
         f"model={model!r}, prompts={str(prompts)!r}, output={str(output)!r}, num_heads={num_heads}, "
         f"epochs={epochs}, max_new_tokens={max_new_tokens}, lr={lr}, threads={threads}"
     )
-    return f'python -c "from specgraph.train import train_medusa; train_medusa({args})"'
+    return f'python -c "from specgraph.methods.medusa.train import train_medusa; train_medusa({args})"'

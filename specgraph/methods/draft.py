@@ -1,0 +1,218 @@
+"""`draft`: a separate draft model proposes K tokens autoregressively; the target verifies them
+in the same engine call.
+
+`--draft MODEL` is any model specgraph loads whose tokenizer matches the target's (same
+vocabulary, same id for every string); `--draft self:int4` / `self:int8` is the target's own
+copy with weight-only quantised matrices and int8 activations (`exporters/nbits.py`): it only
+proposes, so the output is still exactly the target's.
+
+One call = one round, all inside one ONNX graph:
+  1. the target verifies `tokens` = [bonus, d_1..d_K] (`StepEngine`, the shared chain rule);
+  2. the draft catches up: it runs [the committed tokens, then the bonus] at their positions (the
+     same T + 1 slots as the target, so one shape serves prefill and steps), which rewrites its
+     cache for everything committed and gives d'_1 from the bonus;
+  3. K - 1 one-token draft steps give d'_2..d'_K.
+The draft's cache (`draft_past_*`) is one more in-place buffer; rollback is not advancing, as for
+the target: everything past the committed tokens is rewritten before it is read.
+
+Drafts are the draft's argmax, so q is a point mass and the shared equality rule (accept d when
+it equals the target's own token) is exact for greedy and for sampling alike.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specgraph.errors import InputError
+from specgraph.methods.base import Built, Finished, Measure, Method, Options
+from specgraph.step import _SPAN_BUCKET, StepEngine, kv_names
+
+_I64 = torch.int64
+SELF = {"self:int4": 4, "self:int8": 8}  # the target's own weight-quantised copy
+_PREFIX = "draft_"  # the draft's module attribute, its cache names and its initializers start so
+
+
+@dataclass(frozen=True)
+class DraftOptions(Options):
+    draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
+    num_draft: int = 4  # K: draft tokens per round
+    draft_block_size: int = 32  # self:int4 / self:int8: weights per block
+
+    def check(self) -> None:
+        if not 1 <= self.num_draft <= 16:
+            raise InputError(f"--num-draft must be between 1 and 16 for --method draft, got {self.num_draft}")
+        if self.draft_block_size not in (16, 32, 64, 128, 256):
+            raise InputError(f"--draft-block-size must be one of 16, 32, 64, 128, 256, got {self.draft_block_size}")
+        if self.draft.startswith("self:") and self.draft not in SELF:
+            raise InputError(f"--draft {self.draft!r}: the target's own copy is self:int4 or self:int8")
+
+    def files(self) -> list[str | Path | None]:
+        return [] if self.draft in SELF else [self.draft]
+
+
+@dataclass
+class Drafter:
+    """The draft model, rewritten with its own cache I/O, and what the engine needs to know of it."""
+
+    gm: torch.fx.GraphModule
+    num_layers: int
+    kv_shapes: list[tuple[int, ...]]
+    window: int | None
+    name: str
+
+
+class DraftStepEngine(StepEngine):
+    """The chain engine whose drafter is a model of its own, run K times inside the call."""
+
+    # the draft's products run on T + 1 and 1 tokens, and its weights are its own (exporters/gemm.py)
+    drafter_weights = ("p_draft_gm_", "draft_gm.")
+
+    def __init__(self, *args: Any, drafter: Drafter, num_draft: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.draft_gm = drafter.gm  # registered as a submodule: its weights are draft_gm.*
+        self.draft_layers = drafter.num_layers
+        self.draft_kv_shapes = drafter.kv_shapes
+        self.draft_window = drafter.window
+        self.num_draft = num_draft
+        self.state_inputs = tuple(kv_names("draft_past", drafter.num_layers))
+        self.draft_outputs = tuple(kv_names("draft_present", drafter.num_layers))
+
+    @property
+    def extra_slots(self) -> int:  # type: ignore[override]
+        """The draft writes its K - 1 steps past the bonus: keep room for them in the cache."""
+        return self.num_draft
+
+    def example_state(self, batch: int) -> list[torch.Tensor]:
+        return [torch.zeros(batch, *shape) for shape in self.draft_kv_shapes]
+
+    def draft(self, state, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
+        b, t = tokens.shape
+        committed = cache_len_out - cache_len  # [B] tokens of this call now in the target's cache
+        idx = torch.arange(t + 1, dtype=_I64)[None, :]  # [1, T+1]
+        padded = torch.cat([tokens, bonus], dim=1)  # [B, T+1]
+        seq = torch.where(idx == committed[:, None], bonus, padded)  # committed tokens, then the bonus
+        kv = list(state)
+        # catch-up: every committed token and the bonus; the logits at the bonus propose d'_1
+        logits, kv = self._run(seq, cache_len[:, None] + idx, cache_len, kv)  # [B, T+1, V]
+        last = logits.gather(1, committed[:, None, None].expand(b, 1, logits.shape[-1]))  # [B, 1, V]
+        drafts = [last.argmax(dim=-1)]  # [B, 1] each: the draft's own greedy token
+        for i in range(1, self.num_draft):
+            pos = cache_len_out[:, None] + i  # [B, 1] where d'_i goes
+            logits, kv = self._run(drafts[-1], pos, pos[:, 0], kv)
+            drafts.append(logits.argmax(dim=-1))
+        return torch.cat([bonus, *drafts], dim=1), kv  # next_tokens [B, 1+K], draft caches
+
+    def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
+        """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""
+        s = kv[1].shape[-2]
+        slots = torch.arange(s, dtype=_I64)
+        mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, W, S]
+        masks = [mask]
+        if self.draft_window:
+            masks.append(mask & ((positions[:, None, :, None] - slots[None, None, None, :]) < self.draft_window))
+        reach = positions.max() + 1
+        span = torch.clamp((reach + _SPAN_BUCKET - 1) // _SPAN_BUCKET * _SPAN_BUCKET, max=s).reshape(1)  # [1]
+        logits, *present = self.draft_gm(tokens, positions, *masks, write_at, span, *kv)
+        return logits, present
+
+
+class DraftMethod(Method):
+    name = "draft"
+    summary = "a draft model (another model with the same tokenizer, or self:int4 / self:int8) proposes K tokens"
+    options_type = DraftOptions
+
+    def add_flags(self, group: Any) -> None:
+        group.add_argument(
+            "--draft",
+            help="draft: the draft model (a path or alias whose tokenizer matches the target's), or self:int4 / "
+            "self:int8, the target's own weight-quantised copy (default self:int4)",
+        )
+        group.add_argument("--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4)")
+        group.add_argument(
+            "--draft-block-size", type=int, help="draft: weights per block for self:int4 / self:int8 (default 32)"
+        )
+
+    def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> Drafter:
+        from specgraph.anatomy import analyze
+        from specgraph.capture import capture
+        from specgraph.compiler import passes_for
+        from specgraph.loaders import load_model
+        from specgraph.methods.none import NONE
+        from specgraph.passes import PassContext
+
+        opts: DraftOptions = cfg.opts
+        source = loaded if opts.draft in SELF else load_model(opts.draft)
+        if source is not loaded:
+            check_same_tokenizer(loaded, source)
+        # a copy: the target's capture shares the HF model's tensors, and the draft's are its own
+        gm = copy.deepcopy(capture(source, cfg.max_context))
+        draft_anatomy = analyze(gm, source.hf_config)
+        if draft_anatomy.vocab_size != anatomy.vocab_size:
+            raise InputError(f"draft {opts.draft} scores {draft_anatomy.vocab_size} tokens, the target "
+                             f"{anatomy.vocab_size}: a draft must share the target's vocabulary")  # fmt: skip
+        ctx = PassContext(draft_anatomy, cfg.max_context)
+        for pass_fn in passes_for(NONE, NONE.options_type()):
+            pass_fn(gm, ctx)
+        shapes: list[tuple[int, ...]] = []
+        for site in draft_anatomy.sites:
+            shapes += [(site.num_kv_heads, site.head_dim, cfg.max_context),
+                       (site.num_kv_heads, cfg.max_context, site.head_dim)]  # fmt: skip
+        windows = {site.sliding_window for site in draft_anatomy.sites if site.sliding_window}
+        return Drafter(gm, draft_anatomy.num_layers, shapes, windows.pop() if windows else None, opts.draft)
+
+    def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
+        opts: DraftOptions = cfg.opts
+        engine = DraftStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
+                                 cfg.engine_samples, drafter=drafter, num_draft=opts.num_draft)  # fmt: skip
+        # the target's weights follow --weights; the draft's are its own (quantised in `finish`)
+        return Built(engine, {"weights_skip": "draft_gm."})
+
+    def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
+        from specgraph import blocks
+        from specgraph.exporters.nbits import run_weights_as_blocks
+
+        opts: DraftOptions = cfg.opts
+        section: dict[str, Any] = {"draft": opts.draft, "num_draft": opts.num_draft, "weights": "float32"}
+        bits = SELF.get(opts.draft)
+        if bits is not None:
+            own = lambda name, w: (  # noqa: E731
+                [blocks.quantize(w, bits, opts.draft_block_size)]
+                if name.startswith("draft_gm.") and w.shape[1] % opts.draft_block_size == 0
+                else None
+            )
+            report = run_weights_as_blocks(staging / "model.onnx", own, accuracy_level=4)
+            section["weights"] = {"weights": f"int{bits}", "activations": "int8", "block_size": opts.draft_block_size,
+                                  "matmuls": report.matmuls, "float32_bytes": report.float_bytes,
+                                  "block_bytes": report.stored_bytes}  # fmt: skip
+        summary = f"draft {opts.draft}, {opts.num_draft} tokens per round"
+        return Finished(section, draft_depth=opts.num_draft, report={**section, "summary": summary})
+
+
+def check_same_tokenizer(target: Any, draft: Any) -> None:
+    """One line naming the first difference unless both tokenizers map the same strings to the
+    same ids (the draft's proposals are ids the target must read as the same text)."""
+    from specgraph.loaders import load_tokenizer
+
+    if target.tokenizer_dir is None or draft.tokenizer_dir is None:
+        missing = target.name if target.tokenizer_dir is None else draft.name
+        raise InputError(
+            f"{missing} has no tokenizer, so the draft's vocabulary cannot be checked against the target's"
+        )
+    a = load_tokenizer(target.tokenizer_dir).get_vocab()
+    b = load_tokenizer(draft.tokenizer_dir).get_vocab()
+    if a == b:
+        return
+    for text in sorted(set(a) | set(b), key=lambda k: min(a.get(k, 1 << 60), b.get(k, 1 << 60))):
+        if a.get(text) != b.get(text):
+            raise InputError(
+                f"draft {draft.name}'s tokenizer differs from {target.name}'s: {text!r} is id {b.get(text)} in the "
+                f"draft and {a.get(text)} in the target; a draft must share the target's vocabulary"
+            )
+
+
+DRAFT = DraftMethod()

@@ -1,0 +1,220 @@
+"""`medusa`: K heads on the target's last hidden state propose a tree of candidates; the shared
+tree verifier (`specgraph.step_tree`) accepts the longest correct branch.
+
+The tree is engine *input*: the manifest's `graph.constants` carry it, so one ONNX graph runs any
+tree and `--tree auto` can time this very engine before choosing one. `heads.py` holds the heads
+and their file format, `tree.py` the trees and the auto-tree search, `train.py` the training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from specgraph.errors import InputError
+from specgraph.methods.base import Built, Finished, Measure, Method, Options
+from specgraph.methods.medusa.heads import MedusaHeads, load_heads
+from specgraph.methods.medusa.tree import Tree, build_tree, load_tree, named_tree
+from specgraph.passes import add_kv_compaction, add_medusa_heads
+from specgraph.step_tree import TreeStepEngine
+from specgraph.timing import time_call
+
+TYPICAL = (0.09, 0.3, 0.7)  # Medusa's defaults: posterior threshold, alpha, temperature
+TOPK = 10  # candidates kept per head; tree ranks must be below this
+SHIPPED_HEADS = {"SmolLM2-135M-Instruct": "smollm2-135m-medusa4.safetensors"}
+_HEADS_DIR = Path(__file__).resolve().parents[2] / "data" / "heads"
+
+
+@dataclass(frozen=True)
+class MedusaOptions(Options):
+    heads: str | None = None  # trained heads (safetensors); default: the shipped ones
+    tree: str = "default"  # a preset name, a Medusa-format JSON file, or "auto"
+    acceptance: str = "greedy"  # "greedy" (lossless) or "typical" (Medusa's, LOSSY)
+
+    def check(self) -> None:
+        if self.acceptance not in ("greedy", "typical"):
+            raise InputError(f"--acceptance {self.acceptance!r}: choose greedy or typical")
+        if self.tree != "auto":
+            named_or_file(self.tree)  # a bad tree file fails now, not after the export
+
+    def files(self) -> list[str | Path | None]:
+        return [self.heads, None if self.tree == "auto" else self.tree]
+
+    @property
+    def samples(self) -> bool:
+        return self.acceptance == "greedy"  # typical acceptance is its own (lossy, greedy-only) rule
+
+
+class MedusaStepEngine(TreeStepEngine):
+    """The tree engine with Medusa's heads as the drafter."""
+
+    def __init__(self, *args: Any, lm_head_weight: str, heads_meta: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lm_head_weight = lm_head_weight
+        self.heads_meta = heads_meta  # the heads file's header (training figures, measured acceptance)
+
+    @property
+    def candidates_per_head(self) -> int:
+        """The top tokens kept per head (TOPK, or the whole vocabulary when it is smaller)."""
+        return min(TOPK, int(self.target.get_parameter(self.lm_head_weight).shape[0]))
+
+    def propose(self, h: torch.Tensor, tree_head: torch.Tensor, tree_rank: torch.Tensor) -> torch.Tensor:
+        b = h.shape[0]
+        medusa = cast(MedusaHeads, self.target.medusa_heads)  # attached by add_medusa_heads
+        states = medusa(h)  # [B, K, H]
+        weight = self.target.get_parameter(self.lm_head_weight)
+        if medusa.lm_heads is None:  # shared LM head: one 2-D product, exported as Gemm on the stored weight
+            head_logits = torch.nn.functional.linear(states.reshape(b * self.num_heads, -1), weight)
+            head_logits = head_logits.reshape(b, self.num_heads, -1)  # [B, K, V]
+        else:
+            head_logits = medusa.readout(states, weight)  # [B, K, V], one LM head per Medusa head
+        keep = self.candidates_per_head
+        candidates = torch.topk(head_logits, keep, dim=-1).indices.reshape(b, self.num_heads * keep)  # [B, K*10]
+        pick = (tree_head.clamp(min=0) * keep + tree_rank)[None, :].expand(b, tree_head.shape[0])  # [B, N]
+        return candidates.gather(1, pick)  # [B, N]
+
+
+class MedusaMethod(Method):
+    name = "medusa"
+    summary = "Medusa heads propose a candidate tree, verified in one call"
+    options_type = MedusaOptions
+    trains = True
+
+    def add_flags(self, group: Any) -> None:
+        group.add_argument(
+            "--heads",
+            default=None,
+            help="medusa: heads file from `specgraph train` (default: the shipped heads for smollm2-135m)",
+        )
+        group.add_argument(
+            "--acceptance",
+            default="greedy",
+            choices=["greedy", "typical"],
+            help="medusa: greedy verification (lossless, the default) or Medusa's typical acceptance, which is "
+            "LOSSY: it also accepts candidates the target finds merely probable, so the text can differ from "
+            "greedy decoding",
+        )
+        group.add_argument(
+            "--tree",
+            default="default",
+            help="medusa: candidate tree: a preset (default, chain-4, mc_sim_7b_63), a Medusa-format JSON file "
+            "(list of paths), or 'auto' (best expected tokens/s from the heads' measured acceptance and this "
+            "engine's measured verify cost)",
+        )
+
+    def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default 4)")
+        group.add_argument("--epochs", type=int, default=5, help="passes over the training positions (default 5)")
+        group.add_argument(
+            "--separate-lm-heads",
+            action="store_true",
+            help="medusa: give each head its own trainable copy of the LM head (Medusa-1; 28M parameters per head "
+            "on the default model, and every step reads them)",
+        )
+
+    def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
+        from specgraph.methods.medusa.train import train_medusa
+
+        return train_medusa(model=args.model, prompts=args.prompts, output=args.output, num_heads=args.heads,
+                            epochs=args.epochs, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                            progress=progress, command=command, separate_lm_heads=args.separate_lm_heads,
+                            force=args.force)  # fmt: skip
+
+    def stages(self, options: Any) -> list[str]:
+        return ["measure tree"] if options.tree == "auto" else []
+
+    def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> MedusaHeads:
+        options: MedusaOptions = cfg.opts
+        path = options.heads
+        if path is None:
+            shipped = SHIPPED_HEADS.get(loaded.name)
+            if shipped is None:
+                raise InputError(f"--method medusa needs --heads for {loaded.name}: train them with `specgraph train`")
+            path = str(_HEADS_DIR / shipped)
+        heads, meta = load_heads(path, anatomy.hidden_size, anatomy.vocab_size)
+        if options.tree == "auto" and "acceptance" not in meta:
+            raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
+        return heads
+
+    def passes(self, options: Any) -> list[Any]:
+        # add_kv_compaction rewrites the cache writes that add_kv_cache_io inserted; add_medusa_heads
+        # runs before fuse_projections so the heads' input is still the LM head's input.
+        return [add_kv_compaction, add_medusa_heads]
+
+    def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
+        heads: MedusaHeads = drafter
+        weight = anatomy.lm_head.args[1]
+        assert isinstance(weight, torch.fx.Node)
+        typical = TYPICAL if cfg.opts.acceptance == "typical" else None
+        engine = MedusaStepEngine(gm, anatomy.num_layers, cfg.max_context, heads.num_heads, window, cfg.emit_logits,
+                                  typical, cfg.engine_samples, lm_head_weight=str(weight.target),
+                                  heads_meta=heads.meta)  # fmt: skip
+        return Built(engine)
+
+    def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
+        engine = built.engine
+        assert isinstance(engine, MedusaStepEngine)
+        if cfg.opts.tree != "auto":
+            return _write_tree(staging, cfg, engine, named_or_file(cfg.opts.tree))
+        # auto: a one-node placeholder (it fits any number of heads) until the engine is measured
+        placeholder = _write_tree(staging, cfg, engine, Tree.from_paths([(0,)]))
+        timed = measure(placeholder)
+        sizes = [n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if 128 + n <= cfg.max_context]
+        ms = {n: time_call(timed, n, 128, repeats=5) for n in sizes}
+        cost = {n: ms[n] / ms[1] for n in sizes}
+        tree, report = build_tree(np.asarray(engine.heads_meta["acceptance"]), cost, max_nodes=max(sizes))
+        report = {k: v for k, v in report.items() if k != "table"} | {"verify_cost": cost}
+        return _write_tree(staging, cfg, engine, tree, report)
+
+
+def named_or_file(name: str) -> Tree:
+    return load_tree(name) if Path(name).suffix == ".json" or Path(name).is_file() else named_tree(name)
+
+
+def _write_tree(bundle: Path, cfg: Any, engine: MedusaStepEngine, tree: Tree,
+                report: dict[str, Any] | None = None) -> Finished:  # fmt: skip
+    """Write tree.json (Medusa's list-of-paths format, for people and `--tree FILE`), and return
+    the manifest's medusa section with the tree as the engine's constant inputs."""
+    meta = engine.heads_meta
+    tree.validate_for(engine.num_heads, cfg.max_context)
+    keep = engine.candidates_per_head
+    if tree.max_topk > keep:
+        raise InputError(f"tree uses rank {tree.max_topk - 1}, but the engine keeps the top {keep} tokens per head")
+    (bundle / "tree.json").write_text(json.dumps({"paths": [list(p) for p in tree.paths]}) + "\n")
+    section: dict[str, Any] = {"num_heads": engine.num_heads, "tree": "tree.json", "tree_size": tree.size,
+                               "tree_depth": tree.depth, "tree_source": cfg.opts.tree,
+                               "accept_rule": cfg.opts.acceptance,
+                               "lossless": cfg.opts.acceptance == "greedy"}  # fmt: skip
+    section["heads"] = {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
+    summary = f"{engine.num_heads} heads, tree {cfg.opts.tree} ({tree.size} nodes, depth {tree.depth})"
+    if report is not None:
+        section["auto_tree"] = report
+        summary += (
+            f"; auto tree: expected {report['expected_tokens']:.2f} tokens/step at c(N)/c(1) {report['cost']:.2f}: "
+            f"predicted {report['speedup']:.2f}x over this engine's 1-token step (the heads' readout adds to every "
+            "step: `specgraph bench --reference` gives the speed-up over plain decoding)"
+        )
+    return Finished(section, tree_inputs(tree, engine.num_heads), tree.depth, {**section, "summary": summary})
+
+
+def tree_inputs(tree: Tree, path_width: int) -> dict[str, np.ndarray]:
+    """The candidate tree as the engine's constant inputs (tree_retrieve padded to the path width)."""
+    retrieve = np.full((tree.retrieve.shape[0], path_width + 1), -1, np.int64)
+    retrieve[:, : tree.retrieve.shape[1]] = tree.retrieve
+    return {
+        "tree_mask": np.ascontiguousarray(tree.ancestor_mask, dtype=bool),
+        "tree_depths": tree.depths.astype(np.int64),
+        "tree_parent": tree.parent.astype(np.int64),
+        "tree_head": tree.head.astype(np.int64),
+        "tree_rank": tree.rank.astype(np.int64),
+        "tree_retrieve": retrieve,
+    }
+
+
+MEDUSA = MedusaMethod()
