@@ -50,6 +50,11 @@ class DraftOptions(Options):
             raise InputError(f"--draft-block-size must be one of 16, 32, 64, 128, 256, got {self.draft_block_size}")
         if self.draft.startswith("self:") and self.draft not in SELF:
             raise InputError(f"--draft {self.draft!r}: the target's own copy is self:int4 or self:int8")
+        from specgraph.default_model import DEFAULT_MODEL
+
+        if self.draft not in SELF and self.draft != DEFAULT_MODEL and not Path(self.draft).expanduser().exists():
+            raise InputError(f"--draft {self.draft}: no such file or folder (a draft is a model path, "
+                             f"{DEFAULT_MODEL}, self:int4 or self:int8)")  # fmt: skip
 
     def files(self) -> list[str | Path | None]:
         return [] if self.draft in SELF else [self.draft]
@@ -198,6 +203,8 @@ def check_same_tokenizer(target: Any, draft: Any) -> None:
     same ids (the draft's proposals are ids the target must read as the same text)."""
     from specgraph.loaders import load_tokenizer
 
+    if target.tokenizer_dir is None and draft.tokenizer_dir is None:
+        return  # models of token ids only: their vocabulary sizes are checked after capture
     if target.tokenizer_dir is None or draft.tokenizer_dir is None:
         missing = target.name if target.tokenizer_dir is None else draft.name
         raise InputError(
@@ -207,7 +214,7 @@ def check_same_tokenizer(target: Any, draft: Any) -> None:
     b = load_tokenizer(draft.tokenizer_dir).get_vocab()
     if a == b:
         return
-    for text in sorted(set(a) | set(b), key=lambda k: min(a.get(k, 1 << 60), b.get(k, 1 << 60))):
+    for text in sorted(set(a) | set(b), key=lambda k: (min(a.get(k, 1 << 60), b.get(k, 1 << 60)), k)):
         if a.get(text) != b.get(text):
             raise InputError(
                 f"draft {draft.name}'s tokenizer differs from {target.name}'s: {text!r} is id {b.get(text)} in the "
