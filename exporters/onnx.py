@@ -7,8 +7,10 @@ stored once on disk and loaded once in memory.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
@@ -27,9 +29,38 @@ logger = logging.getLogger("specgraph.exporters")
 OPSET = 24  # TensorScatter, the in-place KV write, is opset 24
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The first line of the innermost cause, without terminal colour codes: torch.onnx wraps the
+    real error ("Cannot view a tensor with shape ...") in its own multi-line, coloured report."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _optimize_without_rewrites(model: Any) -> None:
+    """onnxscript's `optimize_ir` without its pattern-rewrite pass, in place on an onnx_ir model."""
+    import onnx_ir as ir
+    from onnx_ir.passes import common
+    from onnxscript.optimizer import fold_constants_ir
+
+    fold_constants_ir(model)
+    ir.passes.Sequential(
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.RemoveUnusedNodesPass(),
+    )(model)
+
+
 def export_onnx(engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path) -> onnx.ModelProto:
     """Trace `engine` and write `path` plus `path.name + '.data'` (the weights)."""
     inputs, outputs = engine.io_names()
+    # An engine that runs a draft model K times holds K + 1 models: onnxscript's pattern rewriter
+    # took over 20 minutes on SmolLM2's (its matching grows faster than the graph); those engines
+    # get the optimizer's other passes only (constant folding, dead nodes, shared initializers, CSE).
+    drafts = getattr(engine, "drafter_weights", None) is not None
     args = engine.example_inputs(kv_shapes)
     dyn = engine.dynamic_shapes(args)
     try:
@@ -45,10 +76,12 @@ def export_onnx(engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path) ->
                 dynamic_shapes=dyn,
                 custom_translation_table={**ONNX_TRANSLATIONS, **SAMPLING_TRANSLATIONS},
                 verbose=False,
-                optimize=True,
+                optimize=not drafts,
             )
+            if drafts and program is not None:
+                _optimize_without_rewrites(program.model)
     except Exception as exc:  # the exporter raises many types; ours names the stage
-        raise ExportError(f"ONNX export failed: {str(exc).splitlines()[0]}") from exc
+        raise ExportError(f"ONNX export failed: {_root_cause(exc)}") from exc
     if program is None:
         raise ExportError("ONNX export returned no program")
     path.parent.mkdir(parents=True, exist_ok=True)
