@@ -55,8 +55,10 @@ class _Digits:
     offset: str | None  # float32 c'^T [K/block, N], None when every c' is zero
 
 
-def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int) -> NBitsReport:
-    """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None."""
+def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int, tables: str | None = None) -> NBitsReport:
+    """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None.
+    An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), or when
+    its table's name starts with `tables` (a drafter's, whose ids are computed in the graph)."""
     model = onnx.load(str(path))
     graph = model.graph
     arrays = {t.name: t for t in graph.initializer}
@@ -95,7 +97,12 @@ def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int) -> NB
                 new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
                 report.matmuls += 1
                 continue
-        if node.op_type == "Gather" and _axis(node) == 0 and ranks.get(node.input[1]) == 2:
+        table = node.input[0] if node.op_type == "Gather" else ""
+        if (
+            node.op_type == "Gather"
+            and _axis(node) == 0
+            and (ranks.get(node.input[1]) == 2 or (tables is not None and table.startswith(tables)))
+        ):
             runs = digits_for(node.input[0])
             if runs is not None and len(runs) == 1:
                 new_nodes += _gather_nodes(node, runs[0])

@@ -190,7 +190,7 @@ class DraftMethod(Method):
                 if name.startswith("draft_gm.") and w.shape[1] % opts.draft_block_size == 0
                 else None
             )
-            report = run_weights_as_blocks(staging / "model.onnx", own, accuracy_level=4)
+            report = run_weights_as_blocks(staging / "model.onnx", own, accuracy_level=4, tables="draft_gm.")
             section["weights"] = {"weights": f"int{bits}", "activations": "int8", "block_size": opts.draft_block_size,
                                   "matmuls": report.matmuls, "float32_bytes": report.float_bytes,
                                   "block_bytes": report.stored_bytes}  # fmt: skip
