@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -300,7 +301,10 @@ std::unique_ptr<Engine::Outputs> Engine::call(ort::IoBinding* io,
                  manifest_.bundle + ": binding " + name);
     }
   }
-  ort::check(api, api.RunWithBinding(session_, nullptr, io), SG_ERR_BUNDLE, manifest_.bundle + ": the engine failed");
+  auto run_start = std::chrono::steady_clock::now();
+  ort::Status* status = api.RunWithBinding(session_, nullptr, io);
+  run_s_ += seconds_since(run_start);
+  ort::check(api, status, SG_ERR_BUNDLE, manifest_.bundle + ": the engine failed");
   ort::Value** values = nullptr;
   size_t count = 0;
   ort::check(api, api.GetBoundOutputValues(io, allocator_, &values, &count), SG_ERR_BUNDLE,
@@ -330,6 +334,8 @@ std::unique_ptr<Engine::Outputs> Engine::call(ort::IoBinding* io,
 Generation Engine::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, Sampling sampling,
                             bool stop_at_eos) {
   std::lock_guard<std::mutex> lock(mutex_);
+  const auto entered = std::chrono::steady_clock::now();
+  run_s_ = 0;
   const Manifest& m = manifest_;
   if (max_new_tokens < 1) input_error("max_new_tokens must be a positive integer, got " + std::to_string(max_new_tokens));
   if (prompt.empty()) input_error("the prompt is empty");
@@ -481,6 +487,14 @@ Generation Engine::generate(const std::vector<int64_t>& prompt, int64_t max_new_
   }
   g.decode_s = seconds_since(start);
   g.stop_reason = stop;
+  g.run_s = run_s_;
+  // SPECGRAPH_HOST_TIMING=1: one line on stderr to measure the host's own cost per engine call
+  // (scripts/bench_host.py): calls (prefill included), seconds in Run, seconds in generate.
+  const char* timing = std::getenv("SPECGRAPH_HOST_TIMING");
+  if (timing && *timing && std::string(timing) != "0") {
+    std::fprintf(stderr, "specgraph-host: timing: calls=%lld run_s=%.6f generate_s=%.6f\n",
+                 static_cast<long long>(g.steps() + 1), g.run_s, seconds_since(entered));
+  }
   return g;
 }
 

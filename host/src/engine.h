@@ -27,6 +27,7 @@ struct Generation {
   std::vector<int64_t> output_ids;
   std::vector<int64_t> accepted_per_step;  // tokens each call after prefill emitted
   double prefill_s = 0, decode_s = 0;
+  double run_s = 0;  // inside ONNX Runtime's RunWithBinding, all calls together
   std::string stop_reason;
   Sampling sampling;  // as used: with the seed drawn when sampling without one
   int64_t steps() const { return int64_t(accepted_per_step.size()); }
@@ -77,6 +78,7 @@ class Engine {
   ort::Session* session_ = nullptr;
   ort::MemoryInfo* cpu_ = nullptr;
   ort::Allocator* allocator_ = nullptr;
+  double run_s_ = 0;  // this generation's time inside RunWithBinding (guarded by mutex_)
   std::vector<std::string> input_names_, output_names_;  // in the session's order
   std::vector<std::unique_ptr<HostTensor>> constants_;   // built once, bound on every call
   std::mutex mutex_;                                     // one generation at a time per engine
