@@ -100,3 +100,17 @@ def test_sampled_text_is_the_same_for_every_method(default):
                 assert_same_sampled(loaded.hf_model, prompt, runs[method], runs["none"], setting, uniforms)
             differs_from_greedy += runs["none"] != greedy
     assert differs_from_greedy >= 3  # the draws really sample
+
+
+def test_shipped_heads_are_found_by_content_from_any_path():
+    """The GGUF file itself (not the alias) finds the shipped Medusa heads: they are keyed by the
+    model's fingerprint, not its name."""
+    from specgraph.default_model import gguf_path
+    from specgraph.loaders import load_model
+    from specgraph.methods.medusa import SHIPPED_HEADS
+    from specgraph.methods.medusa.heads import model_fingerprint
+
+    alias, gguf = load_model("smollm2-135m"), load_model(str(gguf_path()))
+    assert alias.name != gguf.name
+    assert model_fingerprint(alias) == model_fingerprint(gguf)
+    assert model_fingerprint(gguf) in SHIPPED_HEADS

@@ -121,3 +121,24 @@ def test_typical_acceptance_is_flagged_lossy_and_accepts_more(tiny_folder, tmp_p
 def test_typical_acceptance_needs_medusa(tiny_folder, tmp_path):
     with pytest.raises(InputError, match="--method lookup has no option 'acceptance'"):
         CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", method="lookup", acceptance="typical")
+
+
+def test_heads_for_another_model_are_refused_by_fingerprint(tiny_folder, tmp_path):
+    heads = MedusaHeads(64, 4)
+    path = tmp_path / "foreign.safetensors"
+    save_heads(path, heads, {"vocab_size": VOCAB, "model": "other", "fingerprint": "0" * 32})
+    with pytest.raises(InputError, match="trained for another model \\(other\\)"):
+        _compile(tiny_folder("llama"), tmp_path / "b", path)
+    assert not (tmp_path / "b").exists()
+
+
+def test_heads_trained_for_this_model_carry_its_fingerprint(tiny_folder, tmp_path):
+    from specgraph.loaders import load_model
+    from specgraph.methods.medusa.heads import model_fingerprint
+
+    loaded = load_model(str(tiny_folder("llama")))
+    heads = MedusaHeads(64, 4)
+    path = tmp_path / "own.safetensors"
+    save_heads(path, heads, {"vocab_size": VOCAB, "model": "tiny", "fingerprint": model_fingerprint(loaded)})
+    _compile(tiny_folder("llama"), tmp_path / "b", path, max_context=64)
+    assert Engine(tmp_path / "b").generate(PROMPTS[0], max_new_tokens=4, stop_at_eos=False).output_ids

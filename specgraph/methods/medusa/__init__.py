@@ -19,7 +19,7 @@ import torch
 
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
-from specgraph.methods.medusa.heads import MedusaHeads, load_heads
+from specgraph.methods.medusa.heads import MedusaHeads, load_heads, model_fingerprint
 from specgraph.methods.medusa.tree import Tree, build_tree, load_tree, named_tree
 from specgraph.passes import add_kv_compaction, add_medusa_heads
 from specgraph.step_tree import TreeStepEngine
@@ -27,7 +27,9 @@ from specgraph.timing import time_call
 
 TYPICAL = (0.09, 0.3, 0.7)  # Medusa's defaults: posterior threshold, alpha, temperature
 TOPK = 10  # candidates kept per head; tree ranks must be below this
-SHIPPED_HEADS = {"SmolLM2-135M-Instruct": "smollm2-135m-medusa4.safetensors"}
+# The heads that ship with the package, by the fingerprint of the model they were trained for
+# (`heads.model_fingerprint`): any path to that model finds them, whatever its file is called.
+SHIPPED_HEADS = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-medusa4.safetensors"}  # SmolLM2-135M-Instruct
 _HEADS_DIR = Path(__file__).resolve().parents[2] / "data" / "heads"
 
 
@@ -132,12 +134,16 @@ class MedusaMethod(Method):
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> MedusaHeads:
         options: MedusaOptions = cfg.opts
         path = options.heads
+        fingerprint = model_fingerprint(loaded)
         if path is None:
-            shipped = SHIPPED_HEADS.get(loaded.name)
+            shipped = SHIPPED_HEADS.get(fingerprint or "")
             if shipped is None:
                 raise InputError(f"--method medusa needs --heads for {loaded.name}: train them with `specgraph train`")
             path = str(_HEADS_DIR / shipped)
         heads, meta = load_heads(path, anatomy.hidden_size, anatomy.vocab_size)
+        if fingerprint and meta.get("fingerprint") not in (None, fingerprint):
+            raise InputError(f"{Path(path).name} was trained for another model ({meta.get('model', '?')}), not "
+                             f"{loaded.name}: its fingerprint differs; train heads for this model with `specgraph train`")  # fmt: skip
         if options.tree == "auto" and "acceptance" not in meta:
             raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
         return heads

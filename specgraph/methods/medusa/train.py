@@ -30,7 +30,7 @@ from tqdm import tqdm
 from specgraph.bench import _read_records, _resolve_prompt_file, checked_ids, encode_prompt
 from specgraph.errors import InputError, OutputError
 from specgraph.loaders import LoadedModel, load_model, load_tokenizer
-from specgraph.methods.medusa.heads import MedusaHeads, save_heads
+from specgraph.methods.medusa.heads import MedusaHeads, model_fingerprint, save_heads
 from specgraph.outputs import GEN_CACHE, HEADS, check_output, write_file
 
 HEAD_DECAY = 0.8  # loss weight of head k is HEAD_DECAY**k (Medusa-1)
@@ -107,6 +107,7 @@ def train_medusa(
         torch.set_num_threads(old_threads)
     meta: dict[str, Any] = {
         "model": loaded.name,
+        "fingerprint": model_fingerprint(loaded),  # compile finds and checks heads by this
         "vocab_size": int(lm_weight.shape[0]),
         "hidden_size": int(lm_weight.shape[1]),
         "num_heads": num_heads,
