@@ -58,7 +58,8 @@ def host() -> dict[str, Path]:
                 ["cmake", "--build", str(BUILD), "-j2"]):  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{(done.stdout + done.stderr)[-3000:]}"
-    return {name: BUILD / name for name in ("specgraph-host", "specgraph-host-check", "embed")}
+    names = ("specgraph-host", "specgraph-host-check", "specgraph-host-concurrency", "embed")
+    return {name: BUILD / name for name in names}
 
 
 @pytest.fixture(scope="session")
@@ -212,6 +213,23 @@ def test_embedding_example_runs_and_agrees(host, ort_lib, bundles, engines):
         lines["bad prompt"] == "bad prompt: code 6: token ids must lie in [0, 256) for this model; position 0 holds -1"
     )
     assert "ONNX Runtime 1.32.0" in done.stdout
+
+
+@pytest.mark.parametrize("pair", [("lookup", "lookup"), ("none", "medusa")], ids=["same bundle", "two bundles"])
+def test_two_engines_on_two_threads_as_one_after_the_other(host, ort_lib, bundles, engines, pair):
+    """host/tests/concurrency.c: two engines (over one bundle, or over two) run greedy and seeded
+    requests on two threads at once, 8 rounds, then each thread loads its own engine; every output
+    must equal the sequential run's, which in turn is the Python host's."""
+    prompt = PROMPTS[0]
+    done = _run(host["specgraph-host-concurrency"], bundles[pair[0]], bundles[pair[1]], ",".join(map(str, prompt)),
+                40, 8, env={"SPECGRAPH_ORT_LIB": str(ort_lib)})  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and done.stdout.strip().endswith("concurrency: OK (8 rounds)"), out
+    lines = {line.split(":")[0]: line.split(":")[1].strip() for line in done.stdout.splitlines()}
+    for label, method in zip("ab", pair, strict=True):
+        for name, setting in (("greedy", SETTINGS[0]), ("sampled", (0.7, 0, 0.9, 7))):
+            want = _python(engines[method], prompt, 40, setting)["output_ids"]
+            assert lines[f"{label} {name}"] == ",".join(map(str, want)), (label, name)
 
 
 # --- bad bundles, flags and requests ------------------------------------------------------------
