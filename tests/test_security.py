@@ -55,10 +55,14 @@ def _run_cli(args: list[str], cwd: Path, timeout: float = 120, stdin: str = "") 
     """Run `specgraph ARGS` in a child (address space capped at 6 GiB so a regression fails
     instead of swapping the machine); return exit code, stderr, peak RSS in MiB and wall seconds."""
     rss_file = cwd / "rss.txt"
+    # The child's own peak: VmHWM of its address space. getrusage's ru_maxrss is not: Linux carries
+    # the forked parent's (this test runner's, a gigabyte late in the suite) peak across exec.
     code = (
-        "import atexit, resource, sys\n"
-        f"atexit.register(lambda: open({str(rss_file)!r}, 'w').write("
-        "str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))\n"
+        "import atexit, sys\n"
+        "def peak():\n"
+        "    kb = next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+        f"    open({str(rss_file)!r}, 'w').write(kb)\n"
+        "atexit.register(peak)\n"
         "from specgraph.cli import main\n"
         f"sys.exit(main({args!r}))\n"
     )
