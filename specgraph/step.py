@@ -102,15 +102,8 @@ class StepEngine(torch.nn.Module):
         s = kv[1].shape[-2]  # cache slots: past_value_0 is [B, Hkv, S, D]
         offsets = torch.arange(t, dtype=_I64)
         positions = cache_len[:, None] + offsets[None, :]  # [B, T]; a chain sits at consecutive slots
-        slots = torch.arange(s, dtype=_I64)
-        mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S] causal over the cache
-        masks = [mask]
-        if self.sliding_window:
-            recent = (positions[:, None, :, None] - slots[None, None, None, :]) < self.sliding_window
-            masks.append(mask & recent)
-        # Attend over the used slots only, rounded up to a bucket so shapes repeat.
-        reach = cache_len.max() + t
-        span = torch.clamp((reach + _SPAN_BUCKET - 1) // _SPAN_BUCKET * _SPAN_BUCKET, max=s).reshape(1)  # [1]
+        masks = chain_masks(positions, s, self.sliding_window)
+        span = attn_span(cache_len.max() + t, s)
         logits, *present = self.target(tokens, positions, *masks, cache_len, span, *kv)
         if self.sampling:
             u = sampling.position_uniforms(params[3], positions + 1)  # [B, T] for the token after each
@@ -124,6 +117,20 @@ class StepEngine(torch.nn.Module):
         if self.emit_logits:
             outputs.append(logits)
         return tuple(outputs)
+
+
+def chain_masks(positions: torch.Tensor, slots: int, window: int | None) -> list[torch.Tensor]:
+    """Attention masks [B, 1, T, S] of a chain at `positions` [B, T]: causal over the cache slots,
+    and with a sliding window also `position - slot < window` (for the local layers)."""
+    slot = torch.arange(slots, dtype=_I64)[None, None, None, :]
+    mask = slot <= positions[:, None, :, None]
+    return [mask, mask & ((positions[:, None, :, None] - slot) < window)] if window else [mask]
+
+
+def attn_span(reach: torch.Tensor, slots: int) -> torch.Tensor:
+    """[1]: how many cache slots attention reads: `reach` (one past the last position written)
+    rounded up to a bucket so shapes repeat, at most the cache."""
+    return torch.clamp((reach + _SPAN_BUCKET - 1) // _SPAN_BUCKET * _SPAN_BUCKET, max=slots).reshape(1)
 
 
 def kv_names(prefix: str, num_layers: int) -> list[str]:

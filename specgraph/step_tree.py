@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from specgraph import sampling
-from specgraph.step import _SPAN_BUCKET, accept_chain, dims, kv_names
+from specgraph.step import accept_chain, attn_span, dims, kv_names
 
 _I64 = torch.int64
 
@@ -137,8 +137,7 @@ class TreeStepEngine(torch.nn.Module):
             key_pos = torch.where(in_block, block_pos, slots[None, :])  # the past is compact: slot = position
             recent = (positions[:, :, None] - key_pos[:, None, :]) < self.sliding_window  # [B, T, S]
             masks.append(mask & recent[:, None])
-        reach = committed.max() + t
-        span = torch.clamp((reach + _SPAN_BUCKET - 1) // _SPAN_BUCKET * _SPAN_BUCKET, max=s).reshape(1)
+        span = attn_span(committed.max() + t, s)
         logits, *rest = self.target(tokens, positions, *masks, cache_len, span, *kv, path_src, n_path)
         present, hidden = rest[:-1], rest[-1]
 

@@ -30,7 +30,7 @@ import torch
 
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
-from specgraph.step import _SPAN_BUCKET, StepEngine, kv_names
+from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
 
 _I64 = torch.int64
 SELF = {"self:int4": 4, "self:int8": 8}  # the target's own weight-quantised copy
@@ -115,13 +115,8 @@ class DraftStepEngine(StepEngine):
     def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
         """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""
         s = kv[1].shape[-2]
-        slots = torch.arange(s, dtype=_I64)
-        mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, W, S]
-        masks = [mask]
-        if self.draft_window:
-            masks.append(mask & ((positions[:, None, :, None] - slots[None, None, None, :]) < self.draft_window))
-        reach = positions.max() + 1
-        span = torch.clamp((reach + _SPAN_BUCKET - 1) // _SPAN_BUCKET * _SPAN_BUCKET, max=s).reshape(1)  # [1]
+        masks = chain_masks(positions, s, self.draft_window)
+        span = attn_span(positions.max() + 1, s)
         logits, *present = self.draft_gm(tokens, positions, *masks, write_at, span, *kv)
         return logits, present
 
