@@ -142,3 +142,62 @@ def test_heads_trained_for_this_model_carry_its_fingerprint(tiny_folder, tmp_pat
     save_heads(path, heads, {"vocab_size": VOCAB, "model": "tiny", "fingerprint": model_fingerprint(loaded)})
     _compile(tiny_folder("llama"), tmp_path / "b", path, max_context=64)
     assert Engine(tmp_path / "b").generate(PROMPTS[0], max_new_tokens=4, stop_at_eos=False).output_ids
+
+
+# --- reduced draft vocabulary (specgraph/draft_vocab.py) --------------------------------------------
+
+
+def _ranking(tmp_path, seed: int = 3):
+    from specgraph.draft_vocab import rank_tokens, save_ranking
+
+    counts = torch.randint(0, 1000, (VOCAB,), generator=torch.Generator().manual_seed(seed)).numpy()
+    path = tmp_path / "ranking.json"
+    save_ranking(path, rank_tokens(counts), {"model": "tiny", "coverage": {"code": {"64": 0.5}}})
+    return path, rank_tokens(counts)
+
+
+def test_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(tiny_folder, tmp_path):
+    import numpy as np
+
+    path, ranked = _ranking(tmp_path)
+    cfg = CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", method="medusa", max_context=320,
+                           heads=str(_heads(tmp_path)), draft_vocab=64, draft_vocab_file=str(path))  # fmt: skip
+    compile_model(cfg)
+    engine = Engine(tmp_path / "b")
+    section = engine.manifest["medusa"]["draft_vocab"]
+    assert section["size"] == 64 and section["of"] == VOCAB and section["coverage"] == {"code": 0.5}
+    assert section["ids"] == sorted(int(i) for i in ranked[:64])
+    model = build("llama")
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, 48))
+    # every draft the heads propose (next_tokens after the bonus) is in the set
+    state = engine.new_state(1)
+    io = engine.session.io_binding()
+    feeds = engine.first_feeds(np.asarray([PROMPTS[2]], np.int64), len(PROMPTS[2]), 0)
+    out = engine.call(io, feeds, state)
+    drafts = out["next_tokens"].numpy()[0, 1:]
+    assert len(drafts) > 0 and set(drafts.tolist()) <= set(section["ids"])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"draft_vocab": -1}, "--draft-vocab must be 0"),
+    ({"draft_vocab": 64}, "needs a token ranking for"),
+    ({"draft_vocab": VOCAB + 1, "ranking": True}, "--draft-vocab must be 0 (the whole vocabulary) or 1.."),
+    ({"draft_vocab": 8, "ranking": "short"}, "ranks a vocabulary of 10 tokens"),
+])  # fmt: skip
+def test_bad_draft_vocabulary_options(kwargs, message, tiny_folder, tmp_path):
+    from specgraph.draft_vocab import save_ranking
+
+    kwargs = dict(kwargs)
+    ranking = kwargs.pop("ranking", None)
+    if ranking == "short":
+        save_ranking(tmp_path / "r.json", torch.arange(10).numpy(), {})
+        kwargs["draft_vocab_file"] = str(tmp_path / "r.json")
+    elif ranking:
+        kwargs["draft_vocab_file"] = str(_ranking(tmp_path)[0])
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        cfg = CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", method="medusa",
+                               max_context=320, heads=str(_heads(tmp_path)), **kwargs)  # fmt: skip
+        compile_model(cfg)
+    assert not (tmp_path / "b").exists()

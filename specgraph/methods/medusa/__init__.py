@@ -17,6 +17,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from specgraph import draft_vocab
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
 from specgraph.methods.medusa.heads import MedusaHeads, load_heads, model_fingerprint
@@ -27,6 +28,7 @@ from specgraph.timing import time_call
 
 TYPICAL = (0.09, 0.3, 0.7)  # Medusa's defaults: posterior threshold, alpha, temperature
 TOPK = 10  # candidates kept per head; tree ranks must be below this
+DRAFT_VOCAB = 8192  # default reduced draft vocabulary where the model has a ranking (docs/benchmarks.md)
 # The heads that ship with the package, by the fingerprint of the model they were trained for
 # (`heads.model_fingerprint`): any path to that model finds them, whatever its file is called.
 SHIPPED_HEADS = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-medusa4.safetensors"}  # SmolLM2-135M-Instruct
@@ -38,15 +40,21 @@ class MedusaOptions(Options):
     heads: str | None = None  # trained heads (safetensors); default: the shipped ones
     tree: str = "default"  # a preset name, a Medusa-format JSON file, or "auto"
     acceptance: str = "greedy"  # "greedy" (lossless) or "typical" (Medusa's, LOSSY)
+    draft_vocab: int | None = None  # tokens the heads score; None: DRAFT_VOCAB with a ranking; 0: all
+    draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
 
     def check(self) -> None:
         if self.acceptance not in ("greedy", "typical"):
             raise InputError(f"--acceptance {self.acceptance!r}: choose greedy or typical")
+        if self.draft_vocab is not None and (int(self.draft_vocab) != self.draft_vocab or self.draft_vocab < 0):
+            raise InputError(
+                f"--draft-vocab must be 0 (the whole vocabulary) or a positive size, got {self.draft_vocab}"
+            )
         if self.tree != "auto":
             named_or_file(self.tree)  # a bad tree file fails now, not after the export
 
     def files(self) -> list[str | Path | None]:
-        return [self.heads, None if self.tree == "auto" else self.tree]
+        return [self.heads, None if self.tree == "auto" else self.tree, self.draft_vocab_file]
 
     @property
     def samples(self) -> bool:
@@ -56,28 +64,53 @@ class MedusaOptions(Options):
 class MedusaStepEngine(TreeStepEngine):
     """The tree engine with Medusa's heads as the drafter."""
 
-    def __init__(self, *args: Any, lm_head_weight: str, heads_meta: dict[str, Any], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, lm_head_weight: str, heads_meta: dict[str, Any],
+                 vocab: tuple[torch.Tensor, dict[str, Any]] | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.lm_head_weight = lm_head_weight
         self.heads_meta = heads_meta  # the heads file's header (training figures, measured acceptance)
+        self.vocab_ids: torch.Tensor | None
+        self.register_buffer("vocab_ids", None)
+        self.vocab_info: dict[str, Any] = {}  # what the manifest says of the draft vocabulary
+        if vocab is not None:
+            vocab_ids, self.vocab_info = vocab
+            # The reduced draft vocabulary (specgraph/draft_vocab.py): the heads score only these
+            # ids, read out by those rows of the LM head, copied here as a weight of their own. A
+            # GGUF's rows stay its stored blocks (exporters/nbits.py matches rows by content).
+            medusa = cast(MedusaHeads, self.target.medusa_heads)
+            with torch.no_grad():
+                rows = self.target.get_parameter(lm_head_weight)[vocab_ids].clone()
+                self.vocab_head = torch.nn.Parameter(rows, requires_grad=False)  # [V_d, H]
+                if medusa.lm_heads is not None:
+                    own = medusa.lm_heads[:, vocab_ids].clone()
+                    self.vocab_heads = torch.nn.Parameter(own, requires_grad=False)  # [K, V_d, H]
+            self.vocab_ids = vocab_ids.to(torch.int64).clone()  # a buffer: exported as a constant
 
     @property
     def candidates_per_head(self) -> int:
-        """The top tokens kept per head (TOPK, or the whole vocabulary when it is smaller)."""
-        return min(TOPK, int(self.target.get_parameter(self.lm_head_weight).shape[0]))
+        """The top tokens kept per head (TOPK, or the whole draft vocabulary when it is smaller)."""
+        scored = (
+            self.target.get_parameter(self.lm_head_weight).shape[0] if self.vocab_ids is None else len(self.vocab_ids)
+        )
+        return min(TOPK, int(scored))
 
     def propose(self, h: torch.Tensor, tree_head: torch.Tensor, tree_rank: torch.Tensor) -> torch.Tensor:
         b = h.shape[0]
         medusa = cast(MedusaHeads, self.target.medusa_heads)  # attached by add_medusa_heads
         states = medusa(h)  # [B, K, H]
-        weight = self.target.get_parameter(self.lm_head_weight)
+        reduced = self.vocab_ids is not None
+        weight = self.vocab_head if reduced else self.target.get_parameter(self.lm_head_weight)
         if medusa.lm_heads is None:  # shared LM head: one 2-D product, exported as Gemm on the stored weight
             head_logits = torch.nn.functional.linear(states.reshape(b * self.num_heads, -1), weight)
-            head_logits = head_logits.reshape(b, self.num_heads, -1)  # [B, K, V]
+            head_logits = head_logits.reshape(b, self.num_heads, -1)  # [B, K, V or V_d]
+        elif reduced:
+            head_logits = torch.einsum("bkh,kvh->bkv", states, self.vocab_heads)
         else:
             head_logits = medusa.readout(states, weight)  # [B, K, V], one LM head per Medusa head
         keep = self.candidates_per_head
         candidates = torch.topk(head_logits, keep, dim=-1).indices.reshape(b, self.num_heads * keep)  # [B, K*10]
+        if self.vocab_ids is not None:
+            candidates = self.vocab_ids[candidates]  # draft-vocabulary index -> token id
         pick = (tree_head.clamp(min=0) * keep + tree_rank)[None, :].expand(b, tree_head.shape[0])  # [B, N]
         return candidates.gather(1, pick)  # [B, N]
 
@@ -108,6 +141,20 @@ class MedusaMethod(Method):
             help="medusa: candidate tree: a preset (default, chain-4, mc_sim_7b_63), a Medusa-format JSON file "
             "(list of paths), or 'auto' (best expected tokens/s from the heads' measured acceptance and this "
             "engine's measured verify cost)",
+        )
+        group.add_argument(
+            "--draft-vocab",
+            type=int,
+            default=None,
+            help=f"medusa: the heads score only the N most frequent tokens (a reduced draft vocabulary: a cheaper "
+            f"readout; drafts outside it are never proposed and the output is unchanged). 0 = the whole vocabulary. "
+            f"Default: {DRAFT_VOCAB} where a token ranking ships for the model (smollm2-135m), else 0",
+        )
+        group.add_argument(
+            "--draft-vocab-file",
+            default=None,
+            help="medusa: the token ranking to take --draft-vocab tokens from (made by scripts/draft_vocab.py); "
+            "default: the one shipped for the model",
         )
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
@@ -146,6 +193,7 @@ class MedusaMethod(Method):
                              f"{loaded.name}: its fingerprint differs; train heads for this model with `specgraph train`")  # fmt: skip
         if options.tree == "auto" and "acceptance" not in meta:
             raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
+        heads.vocab = _draft_vocab(options, fingerprint, anatomy.vocab_size, loaded.name)
         return heads
 
     def passes(self, options: Any) -> list[Any]:
@@ -160,7 +208,7 @@ class MedusaMethod(Method):
         typical = TYPICAL if cfg.opts.acceptance == "typical" else None
         engine = MedusaStepEngine(gm, anatomy.num_layers, cfg.max_context, heads.num_heads, window, cfg.emit_logits,
                                   typical, cfg.engine_samples, lm_head_weight=str(weight.target),
-                                  heads_meta=heads.meta)  # fmt: skip
+                                  heads_meta=heads.meta, vocab=heads.vocab)  # fmt: skip
         return Built(engine)
 
     def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
@@ -199,6 +247,9 @@ def _write_tree(bundle: Path, cfg: Any, engine: MedusaStepEngine, tree: Tree,
                                "lossless": cfg.opts.acceptance == "greedy"}  # fmt: skip
     section["heads"] = {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
     summary = f"{engine.num_heads} heads, tree {cfg.opts.tree} ({tree.size} nodes, depth {tree.depth})"
+    if engine.vocab_ids is not None:
+        section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
+        summary += f"; draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
     if report is not None:
         section["auto_tree"] = report
         summary += (
@@ -207,6 +258,33 @@ def _write_tree(bundle: Path, cfg: Any, engine: MedusaStepEngine, tree: Tree,
             "step: `specgraph bench --reference` gives the speed-up over plain decoding)"
         )
     return Finished(section, tree_inputs(tree, engine.num_heads), tree.depth, {**section, "summary": summary})
+
+
+def _draft_vocab(options: MedusaOptions, fingerprint: str | None, vocab: int,
+                 model: str) -> tuple[torch.Tensor, dict[str, Any]] | None:  # fmt: skip
+    """The ids the heads score (sorted, so ties break by token id as over the whole vocabulary)
+    and what the manifest says of them; None for the whole vocabulary."""
+    found: tuple[np.ndarray, dict[str, Any]] | None
+    if options.draft_vocab_file is not None:
+        found = draft_vocab.load_ranking(Path(options.draft_vocab_file), vocab)
+        source = Path(options.draft_vocab_file).name
+    else:
+        found = draft_vocab.shipped_ranking(fingerprint, vocab)
+        source = "shipped"
+    if options.draft_vocab is None:
+        size = min(DRAFT_VOCAB, vocab) if found else vocab
+    else:
+        size = draft_vocab.check_size(options.draft_vocab, vocab)
+    if size == vocab:
+        return None
+    if found is None:
+        raise InputError(f"--draft-vocab {size} needs a token ranking for {model} and none ships for it: "
+                         "make one with scripts/draft_vocab.py and pass --draft-vocab-file")  # fmt: skip
+    ranked, meta = found
+    ids = torch.from_numpy(np.sort(ranked[:size]))
+    measured = {name: table[str(size)] for name, table in meta.get("coverage", {}).items()
+                if isinstance(table, dict) and str(size) in table}  # fmt: skip
+    return ids, {"size": size, "of": vocab, "ranking": source, "coverage": measured}
 
 
 def tree_inputs(tree: Tree, path_width: int) -> dict[str, np.ndarray]:

@@ -34,6 +34,7 @@ class MedusaHeads(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))  # [K, H]
         self.lm_heads = None if lm_heads is None else torch.nn.Parameter(lm_heads.clone())  # [K, V, H]
         self.meta: dict[str, Any] = {}  # a loaded file's header: model, training figures, measured acceptance
+        self.vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary (compile)
 
     def readout(self, h: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Head states h [..., K, H] -> logits [..., K, V], through `shared` [V, H] or own LM heads."""
