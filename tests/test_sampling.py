@@ -30,6 +30,8 @@ from tests.models.tiny import build
 from tests.stats import PROMPT, chi_square, engine_counts, exact_joint, hf_law, v8_config
 
 SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.7)]  # temperature, top_k, top_p
+# the draft's q is filtered like p: also top-k and top-p together at a low temperature
+OWN_SETTINGS = {"draft": [(0.7, 4, 0.9)]}
 ALPHA = 1e-4
 
 
@@ -53,13 +55,14 @@ def v8(tiny_folder, tmp_path_factory):
     return get, build("llama-v8")
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "medusa"])
+@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "draft"])
 def test_joint_law_of_three_tokens_matches_direct_sampling(method, v8):
     get, model = v8
     engine = get(method)
-    for i, setting in enumerate(SETTINGS):
+    for i, setting in enumerate(SETTINGS + OWN_SETTINGS.get(method, [])):
         law = exact_joint(model, PROMPT, setting)
         p_value, tv = chi_square(engine_counts(engine, setting, seed=7 + i, v=8), law)
+        print(f"{method} {setting}: p = {p_value:.3g}, TV = {tv:.4f}")  # shown with -s
         assert p_value > ALPHA, f"{method} {setting}: chi-square p = {p_value:.2e}, TV = {tv:.4f}"
 
 
@@ -83,6 +86,12 @@ def _siblings_as_if_alone(row, children, tokens, params, u):  # type: ignore[no-
     return torch.where(hit.to(torch.int64).amax(dim=-1, keepdim=True) > 0, tokens.gather(1, first), x)
 
 
+def _residual_is_p(p, q):  # type: ignore[no-untyped-def]
+    """BROKEN on purpose: after rejecting a draft d ~ q, draw from p itself instead of
+    max(0, p - q); tokens q over-proposes then come out too often."""
+    return p
+
+
 def _uniform_reused(uniforms, positions):  # type: ignore[no-untyped-def]
     """BROKEN on purpose: positions 2i and 2i+1 share a uniform. Each token's own law is still
     exactly right; only the joint law is wrong, which a per-token test would never see."""
@@ -95,6 +104,7 @@ def _uniform_reused(uniforms, positions):  # type: ignore[no-untyped-def]
         ("lookup", specgraph.step, "_chain_targets", _residual_forgotten),
         ("medusa", specgraph.step_tree, "_node_draw", _siblings_as_if_alone),
         ("none", specgraph.sampling, "position_uniforms", _uniform_reused),
+        ("draft", specgraph.sampling, "residual", _residual_is_p),
     ],
 )
 def test_the_same_test_rejects_a_broken_rule(method, module, name, broken, v8, monkeypatch):
@@ -103,6 +113,7 @@ def test_the_same_test_rejects_a_broken_rule(method, module, name, broken, v8, m
     engine = get(f"{method}-broken")
     setting = SETTINGS[0]
     p_value, tv = chi_square(engine_counts(engine, setting, seed=3, v=8), exact_joint(model, PROMPT, setting))
+    print(f"broken {method} {setting}: p = {p_value:.3g}, TV = {tv:.4f}")  # shown with -s
     assert p_value < ALPHA, f"a broken {method} rule passed: p = {p_value:.2e}, TV = {tv:.4f}"
 
 
