@@ -1,21 +1,40 @@
-"""Lossless sampling inside the step engine: temperature, top-k and top-p, with one host-drawn
-uniform per generated position.
+"""Lossless sampling inside the step engine: temperature, top-k and top-p, with host-drawn
+uniforms for every generated position.
 
-The rule. Every drafter here proposes deterministic tokens (lookup copies earlier text, Medusa
-takes the heads' top-k), so a draft's proposal distribution q is a point mass. At each position
-the engine draws x ~ p~ (the target's distribution after temperature, top-k and top-p, applied in
-Hugging Face's order) by inverse CDF with that position's uniform, and accepts the draft exactly
-when it equals x; the first position where no draft equals x emits x. For a chain this is
-speculative sampling with one-hot q (accept d with probability p~(d) = min(1, p~/q); on rejection
-the residual max(0, p~ - q) is p~ without d, which is what x is conditioned on when x != d).
-For a tree it is SpecInfer's recursive rejection sampling without replacement over the siblings
-(children are distinct tokens; child i is accepted with probability p~(c_i) / (1 - sum of the
-rejected siblings' p~), which is the law of x given that it missed the earlier siblings). Because
-the uniform belongs to the position, not to the draft, every engine emits the same tokens as
-plain sampling does with the same uniforms: a seeded speculative run equals a seeded `none` run.
+The rule (speculative sampling; Leviathan et al. 2023, Chen et al. 2023). A drafter proposes d
+from its distribution q; the target's filtered distribution p~ (temperature, top-k, top-p in
+Hugging Face's order) keeps d with probability min(1, p~(d)/q(d)), and on rejection the token is
+drawn from the residual max(0, p~ - q) normalised; either way the token is distributed as p~.
+`speculative_draw` implements it with q as an input (`step._chain_targets` calls it for chains);
+`filtered` computes p~ and a sampling drafter's q (one-hot of the argmax at temperature 0, which
+makes the rule the greedy one: keep d iff it is the target's argmax, else emit that argmax).
 
-Uniforms: `uniforms[b, i]` is the draw for the token at absolute position i of row b (prompt
-positions are never read). The host draws them once per generation with `uniform_stream`.
+Point masses are the special case q = one-hot at d (lookup copies earlier text, Medusa takes the
+heads' top-k, so their q is one-hot), computed in closed form with one uniform u per position:
+draw x ~ p~ by inverse CDF with u and keep d exactly when d == x. This is the general rule under
+one coupling of its two draws. Let C(d) be p~'s mass before d in vocabulary order and take the
+accept draw u_a = (u - C(d)) mod 1 (uniform): u_a < p~(d) = min(1, p~(d)/1) exactly when
+C(d) <= u < C(d) + p~(d), that is when x == d. On rejection u_a is uniform on [p~(d), 1), so
+u_r = (u_a - p~(d)) / (1 - p~(d)) is a fresh uniform, and the inverse CDF of the residual
+(p~ without d, renormalised) taken in the cyclic order d+1, ..., V-1, 0, ..., d-1 at u_r lands on
+the token whose interval [C(j), C(j) + p~(j)) holds u: x again. So "emit x, keep d iff d == x"
+needs neither q nor a second uniform. For a tree it is SpecInfer's recursive rejection sampling
+without replacement over the siblings (children are distinct tokens; child i is accepted with
+probability p~(c_i) / (1 - sum of the rejected siblings' p~), the law of x given that it missed
+the earlier siblings). Because the uniform belongs to the position, not to the draft, point-mass
+engines emit the same tokens as plain sampling with the same uniforms: a seeded lookup or Medusa
+run equals a seeded `none` run. A drafter that samples its drafts (`draft`) is only equal in law.
+
+Uniforms: `uniforms[b, R*i + r]` is draw r for the token at absolute position i of row b (prompt
+positions are never read), R = the graph's declared width / (S + 1): 1 for point-mass engines
+(u), 3 for `draft` (r = 0 the accept draw, 1 the residual draw, also the plain draw where no
+draft is verified, 2 the draft's own draw of d ~ q; see `stream`). The host draws them once per
+generation with `uniform_stream`. Why the draws stay independent although a position can be
+drafted in several calls: a position's verification draws decide something emitted at most
+once (the first rejection emits its position), and a draft at a position is either verified
+(then that position is emitted, accepted or not) or dropped unverified behind an earlier
+rejection, having influenced nothing emitted; so when the next call redrafts that position with
+the same draw, the draw is still uniform and independent of everything emitted.
 """
 
 from __future__ import annotations

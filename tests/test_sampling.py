@@ -11,6 +11,8 @@ deliberately broken acceptance rule. docs/benchmarks.md records the p-values and
 
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
 
 import numpy as np
@@ -22,7 +24,7 @@ import specgraph.sampling
 import specgraph.step
 import specgraph.step_tree
 from specgraph.compiler import CompileConfig, compile_model
-from specgraph.errors import InputError
+from specgraph.errors import BundleError, InputError
 from specgraph.runtime import Engine
 from specgraph.sampling import ONNX_TRANSLATIONS, filter_logits, sample, uniform_stream
 from tests.greedy import assert_same_sampled
@@ -212,6 +214,19 @@ def test_bad_sampling_values_are_one_line_errors(kwargs, message, tiny_bundle):
     engine = Engine(tiny_bundle("llama", "none"))
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
         engine.generate([1, 2, 3], 4, **kwargs)
+
+
+def test_a_uniforms_width_that_is_not_whole_positions_is_refused(tiny_bundle, tmp_path):
+    """The host fills the declared width, R draws per position: a width that is not a multiple
+    of max_context + 1 is a broken bundle, refused in one line (as by the C++ host)."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle("llama", "none"), bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    spec = next(v for v in manifest["graph"]["inputs"] if v["name"] == "uniforms")
+    spec["shape"] = [spec["shape"][0], 100]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"input uniforms has shape .* not \[batch, R \* \(max_context \+ 1\)\]"):
+        Engine(bundle)
 
 
 def test_a_greedy_only_bundle_refuses_to_sample(tiny_folder, tmp_path):
