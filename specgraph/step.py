@@ -167,14 +167,18 @@ def _chain_targets(tokens, logits, n_fixed, params, u, q=None):  # type: ignore[
         return torch.ops.specgraph.sample(logits, n_fixed - 1, *params, u)
     b, t = tokens.shape
     k, v = q.shape[1], q.shape[2]
-    p = torch.ops.specgraph.filtered(logits, *params)  # [B, T, V] the target's p~ (one-hot at temperature 0)
-    d = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # [B, T] the draft after each position
-    idx = torch.arange(t, dtype=_I64)[None, :]
-    which = idx - (n_fixed[:, None] - 1)  # [B, T] which carried proposal drew that draft
+    # Only the last K + 1 positions can be read (at most K drafts follow the given tokens), so p~
+    # is computed there alone: a prefill of P tokens must not filter P rows of the vocabulary.
+    w = torch.sym_min(t, k + 1)  # [B, W] window; positions before it get the argmax, which nothing reads
+    p = torch.ops.specgraph.filtered(logits[:, t - w :], *params)  # [B, W, V] p~ (one-hot at temperature 0)
+    d = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)[:, t - w :]  # [B, W] the draft after each position
+    idx = torch.arange(t - w, t, dtype=_I64)[None, :]  # [1, W] the window's positions
+    which = idx - (n_fixed[:, None] - 1)  # [B, W] which carried proposal drew that draft
     has_draft = (which >= 0) & (idx < t - 1)  # the last position has no draft after it
-    q_t = q.gather(1, which.clamp(0, k - 1)[..., None].expand(b, t, v))  # [B, T, V]
+    q_t = q.gather(1, which.clamp(0, k - 1)[..., None].expand(b, w, v))  # [B, W, V]
     q_t = q_t * has_draft[..., None].to(q_t.dtype)  # q = 0 where no draft: draw from p
-    return sampling.speculative_draw(p, q_t, d, u[..., 0], u[..., 1])
+    x = sampling.speculative_draw(p, q_t, d, u[:, t - w :, 0], u[:, t - w :, 1])  # [B, W]
+    return torch.cat([logits[:, : t - w].argmax(dim=-1), x], dim=1)  # [B, T]
 
 
 def accept_chain(tokens: torch.Tensor, pred: torch.Tensor, n_fixed: torch.Tensor):  # type: ignore[no-untyped-def]
