@@ -33,12 +33,19 @@ from specgraph.compiler import compile_model  # noqa: E402
 from specgraph.runtime import Engine  # noqa: E402
 from tests.models.tiny import build, save  # noqa: E402
 from tests.stats import PROMPT, chi_square, engine_counts, exact_joint, v8_config  # noqa: E402
-from tests.test_sampling import SETTINGS, _residual_forgotten, _siblings_as_if_alone, _uniform_reused  # noqa: E402
+from tests.test_sampling import (  # noqa: E402
+    SETTINGS,
+    _residual_forgotten,
+    _residual_is_p,
+    _siblings_as_if_alone,
+    _uniform_reused,
+)
 
 BROKEN = {  # engine name -> (module, attribute, the broken stand-in the tests use)
     "lookup-broken": (specgraph.step, "_chain_targets", _residual_forgotten),
     "medusa-broken": (specgraph.step_tree, "_node_draw", _siblings_as_if_alone),
     "none-broken": (specgraph.sampling, "position_uniforms", _uniform_reused),
+    "draft-broken": (specgraph.sampling, "residual", _residual_is_p),
 }
 
 
@@ -79,7 +86,7 @@ def main() -> None:
                     "power": {}}  # fmt: skip
     if args.power_only and args.json and args.json.exists():
         report["calibration"] = json.loads(args.json.read_text())["calibration"]
-    for name in () if args.power_only else ("none", "lookup", "medusa"):
+    for name in () if args.power_only else ("none", "lookup", "medusa", "draft"):
         engine = _compile(root, folder, name)
         t0 = time.time()
         pvals = [chi_square(engine_counts(engine, s, seed=1000 + i, v=8), laws[s])[0]

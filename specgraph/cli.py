@@ -79,7 +79,8 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         help="sample from the smallest set of tokens holding this much probability (1 = off)",
     )
     parser.add_argument("--seed", type=int, default=None,
-                        help="seed for the engine's uniforms: the same seed gives the same text, with any method "
+                        help="seed for the engine's uniforms: the same seed gives the same text (and the same text as "
+                        "--method none, except with --method draft, whose drafts are sampled too) "
                         "(default: a fresh seed, reported in --json output)")  # fmt: skip
 
 

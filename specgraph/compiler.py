@@ -194,7 +194,7 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
             "vocab_size": anatomy.vocab_size,
             "eos_token_ids": loaded.eos_token_ids,
             "tokenizer": tokenizer,
-            "sampling": _sampling_section(cfg),
+            "sampling": _sampling_section(cfg, engine),
             "weights": weights,
             "anatomy": anatomy.summary(),
             "passes": counts,
@@ -297,14 +297,16 @@ def _rows(gm: torch.fx.GraphModule, weight: Any) -> int | None:
     return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() == 2 else None
 
 
-def _sampling_section(cfg: CompileConfig) -> dict[str, Any] | None:
+def _sampling_section(cfg: CompileConfig, engine: Any) -> dict[str, Any] | None:
     """How a host feeds the sampling inputs (None: a greedy-only engine)."""
     if not cfg.engine_samples:
         return None
     return {
         "inputs": list(sampling.INPUTS),
-        "uniforms": "uniforms[b, i] draws the token at absolute position i of row b; "
-        "specgraph draws numpy.random.Generator(PCG64(seed)).random((batch, max_context + 1), float32)",
+        "uniforms": "uniforms[b, R*i + r] is draw r of the token at absolute position i of row b, "
+        "R = uniforms' width / (max_context + 1); specgraph draws "
+        "numpy.random.Generator(PCG64(seed)).random((batch, R * (max_context + 1)), float32)",
+        "streams": int(getattr(engine, "uniform_streams", 1)),  # R
         "order": "temperature, then top-k (ties kept), then top-p, as Hugging Face's warpers",
         "lossless": True,
     }

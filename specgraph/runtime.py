@@ -151,6 +151,8 @@ class Engine:
         self.samples: bool = bool(self.manifest.get("sampling"))  # has the sampling inputs
         self._tokenizer: Any = None
         self._check_graph()
+        # uniforms [B, R * (max_context + 1)], R draws per position (the graph declares the width)
+        self.uniforms_width: int = int(self._declared["uniforms"]["shape"][1]) if self.samples else 0
 
     def _check_graph(self) -> None:
         """The graph ONNX Runtime loaded has the inputs and outputs the manifest declares, and the
@@ -175,6 +177,10 @@ class Engine:
                 problem = f"graph input {name} is {value.type}, the host feeds tensor({want})"
             elif name in state and list(value.shape[1:]) != declared[name]["shape"][1:]:
                 problem = f"graph input {name} has shape {value.shape}, the manifest says {declared[name]['shape']}"
+        width = declared["uniforms"]["shape"] if self.samples and problem is None else None
+        if width is not None and (len(width) != 2 or not isinstance(width[1], int) or width[1] <= 0
+                                  or width[1] % (self.max_context + 1)):  # fmt: skip
+            problem = f"input uniforms has shape {width}, not [batch, R * (max_context + 1)]"
         for name in self._in_place:
             if problem is None and (name not in outputs or self._bindings.get(name) not in inputs):
                 problem = f"graph output {name} has no input to write into"
@@ -221,8 +227,9 @@ class Engine:
         state = {}
         if self.samples:
             p = params or SamplingParams()
-            uniforms = (uniform_stream(p.seed, batch, self.max_context + 1) if p.seed is not None
-                        else np.zeros((batch, self.max_context + 1), np.float32))  # fmt: skip
+            width = self.uniforms_width  # R * (max_context + 1): R draws per position
+            uniforms = (uniform_stream(p.seed, batch, width) if p.seed is not None
+                        else np.zeros((batch, width), np.float32))  # fmt: skip
             values = {"temperature": np.full(batch, p.temperature, np.float32), "top_k": np.full(batch, p.top_k, np.int64),
                       "top_p": np.full(batch, p.top_p, np.float32), "uniforms": uniforms}  # fmt: skip
             state.update({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in values.items()})

@@ -1,21 +1,40 @@
-"""Lossless sampling inside the step engine: temperature, top-k and top-p, with one host-drawn
-uniform per generated position.
+"""Lossless sampling inside the step engine: temperature, top-k and top-p, with host-drawn
+uniforms for every generated position.
 
-The rule. Every drafter here proposes deterministic tokens (lookup copies earlier text, Medusa
-takes the heads' top-k), so a draft's proposal distribution q is a point mass. At each position
-the engine draws x ~ p~ (the target's distribution after temperature, top-k and top-p, applied in
-Hugging Face's order) by inverse CDF with that position's uniform, and accepts the draft exactly
-when it equals x; the first position where no draft equals x emits x. For a chain this is
-speculative sampling with one-hot q (accept d with probability p~(d) = min(1, p~/q); on rejection
-the residual max(0, p~ - q) is p~ without d, which is what x is conditioned on when x != d).
-For a tree it is SpecInfer's recursive rejection sampling without replacement over the siblings
-(children are distinct tokens; child i is accepted with probability p~(c_i) / (1 - sum of the
-rejected siblings' p~), which is the law of x given that it missed the earlier siblings). Because
-the uniform belongs to the position, not to the draft, every engine emits the same tokens as
-plain sampling does with the same uniforms: a seeded speculative run equals a seeded `none` run.
+The rule (speculative sampling; Leviathan et al. 2023, Chen et al. 2023). A drafter proposes d
+from its distribution q; the target's filtered distribution p~ (temperature, top-k, top-p in
+Hugging Face's order) keeps d with probability min(1, p~(d)/q(d)), and on rejection the token is
+drawn from the residual max(0, p~ - q) normalised; either way the token is distributed as p~.
+`speculative_draw` implements it with q as an input (`step._chain_targets` calls it for chains);
+`filtered` computes p~ and a sampling drafter's q (one-hot of the argmax at temperature 0, which
+makes the rule the greedy one: keep d iff it is the target's argmax, else emit that argmax).
 
-Uniforms: `uniforms[b, i]` is the draw for the token at absolute position i of row b (prompt
-positions are never read). The host draws them once per generation with `uniform_stream`.
+Point masses are the special case q = one-hot at d (lookup copies earlier text, Medusa takes the
+heads' top-k, so their q is one-hot), computed in closed form with one uniform u per position:
+draw x ~ p~ by inverse CDF with u and keep d exactly when d == x. This is the general rule under
+one coupling of its two draws. Let C(d) be p~'s mass before d in vocabulary order and take the
+accept draw u_a = (u - C(d)) mod 1 (uniform): u_a < p~(d) = min(1, p~(d)/1) exactly when
+C(d) <= u < C(d) + p~(d), that is when x == d. On rejection u_a is uniform on [p~(d), 1), so
+u_r = (u_a - p~(d)) / (1 - p~(d)) is a fresh uniform, and the inverse CDF of the residual
+(p~ without d, renormalised) taken in the cyclic order d+1, ..., V-1, 0, ..., d-1 at u_r lands on
+the token whose interval [C(j), C(j) + p~(j)) holds u: x again. So "emit x, keep d iff d == x"
+needs neither q nor a second uniform. For a tree it is SpecInfer's recursive rejection sampling
+without replacement over the siblings (children are distinct tokens; child i is accepted with
+probability p~(c_i) / (1 - sum of the rejected siblings' p~), the law of x given that it missed
+the earlier siblings). Because the uniform belongs to the position, not to the draft, point-mass
+engines emit the same tokens as plain sampling with the same uniforms: a seeded lookup or Medusa
+run equals a seeded `none` run. A drafter that samples its drafts (`draft`) is only equal in law.
+
+Uniforms: `uniforms[b, R*i + r]` is draw r for the token at absolute position i of row b (prompt
+positions are never read), R = the graph's declared width / (S + 1): 1 for point-mass engines
+(u), 3 for `draft` (r = 0 the accept draw, 1 the residual draw, also the plain draw where no
+draft is verified, 2 the draft's own draw of d ~ q; see `stream`). The host draws them once per
+generation with `uniform_stream`. Why the draws stay independent although a position can be
+drafted in several calls: a position's verification draws decide something emitted at most
+once (the first rejection emits its position), and a draft at a position is either verified
+(then that position is emitted, accepted or not) or dropped unverified behind an earlier
+rejection, having influenced nothing emitted; so when the next call redrafts that position with
+the same draw, the draw is still uniform and independent of everything emitted.
 """
 
 from __future__ import annotations
@@ -130,14 +149,7 @@ def _draw_rows_eager(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     """The eager twin of `_draw_rows`: a full sort stands in for its two TopK stages (the
     thresholds are the same logits), then the same two-level inverse CDF."""
     n, v = z.shape
-    k_eff = torch.where(top_k > 0, torch.clamp(top_k, max=v), torch.full_like(top_k, v))  # [N]
-    s = torch.sort(z, dim=-1, descending=True).values  # [N, V]
-    e = torch.exp(z - s[:, :1])  # [N, V]
-    es = torch.where(torch.arange(v)[None, :] < k_eff[:, None], torch.exp(s - s[:, :1]), torch.zeros_like(s))
-    before = (torch.cumsum(es, -1) - es) / es.sum(-1, keepdim=True)  # [N, V] mass of the better tokens
-    keep = (torch.arange(v)[None, :] < k_eff[:, None]) & (before < top_p[:, None])
-    thr = s.gather(1, keep.sum(-1, keepdim=True) - 1)  # [N, 1] smallest kept logit
-    w = torch.where(z >= thr, e, torch.zeros_like(e))
+    w = _kept_weights_eager(z, top_k, top_p)  # [N, V]
     pad = (-v) % BLOCK
     w3 = torch.nn.functional.pad(w, (0, pad)).reshape(n, -1, BLOCK)  # [N, nb, BLOCK]
     wb = w3.sum(-1)  # [N, nb]
@@ -148,6 +160,19 @@ def _draw_rows_eager(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     cw = torch.cumsum(within, -1) + (cb.gather(1, blk[:, None]) - wb.gather(1, blk[:, None]))
     pos = torch.minimum((cw <= target).sum(-1), _last_positive_eager(within))
     return blk * BLOCK + pos
+
+
+def _kept_weights_eager(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V]: exp(z - max) on the tokens top-k then top-p keep, 0 elsewhere (unnormalised p~)."""
+    n, v = z.shape
+    k_eff = torch.where(top_k > 0, torch.clamp(top_k, max=v), torch.full_like(top_k, v))  # [N]
+    s = torch.sort(z, dim=-1, descending=True).values  # [N, V]
+    e = torch.exp(z - s[:, :1])  # [N, V]
+    es = torch.where(torch.arange(v)[None, :] < k_eff[:, None], torch.exp(s - s[:, :1]), torch.zeros_like(s))
+    before = (torch.cumsum(es, -1) - es) / es.sum(-1, keepdim=True)  # [N, V] mass of the better tokens
+    keep = (torch.arange(v)[None, :] < k_eff[:, None]) & (before < top_p[:, None])
+    thr = s.gather(1, keep.sum(-1, keepdim=True) - 1)  # [N, 1] smallest kept logit
+    return torch.where(z >= thr, e, torch.zeros_like(e))
 
 
 def _last_positive_eager(w: torch.Tensor) -> torch.Tensor:
@@ -196,7 +221,13 @@ def _sample_onnx(logits, first, temperature, top_k, top_p, u):  # type: ignore[n
 
 def _draw_rows(op, z, top_k, top_p, u):  # type: ignore[no-untyped-def]
     """x[n] ~ softmax(z[n]) restricted by top-k then top-p; z [N, V], top_k/top_p/u [N]."""
-    zero, one, two = op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[2])
+    vocab = op.Shape(z, start=1, end=2)  # [1]
+    return _inverse_cdf_two_levels(op, _kept_weights(op, z, top_k, top_p), vocab, u)
+
+
+def _kept_weights(op, z, top_k, top_p):  # type: ignore[no-untyped-def]
+    """[N, V]: exp(z - max) on the tokens top-k then top-p keep, 0 elsewhere (unnormalised p~)."""
+    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
     vocab = op.Shape(z, start=1, end=2)  # [1]
     k_eff = op.Where(op.Greater(top_k, op.Constant(value_int=0)), op.Min(top_k, vocab), vocab)  # [N]
     need = op.Or(op.Less(k_eff, vocab), op.Less(top_p, op.CastLike(op.Constant(value_float=1.0), top_p)))  # [N]
@@ -218,8 +249,12 @@ def _draw_rows(op, z, top_k, top_p, u):  # type: ignore[no-untyped-def]
     thr2, _ = _threshold(op, s2, top, total, k_eff, k_off, top_p)
     neg_inf = op.CastLike(op.Constant(value_float=float("-inf")), z)
     thr = op.Where(need, op.Where(fits, thr1, thr2), neg_inf)  # [N]
-    w = op.Mul(e, op.CastLike(op.GreaterOrEqual(z, op.Unsqueeze(thr, one)), e))  # [N, V] (Mul beats Where)
-    # Inverse CDF, two levels (see BLOCK).
+    return op.Mul(e, op.CastLike(op.GreaterOrEqual(z, op.Unsqueeze(thr, one)), e))  # [N, V] (Mul beats Where)
+
+
+def _inverse_cdf_two_levels(op, w, vocab, u):  # type: ignore[no-untyped-def]
+    """The index where u [N] * total falls in the running sum of w [N, V] (see BLOCK)."""
+    zero, one, two = op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[2])
     pad = op.Mod(op.Sub(op.Constant(value_ints=[BLOCK]), op.Mod(vocab, op.Constant(value_ints=[BLOCK]))),
                  op.Constant(value_ints=[BLOCK]))  # fmt: skip
     w = op.Pad(w, op.Concat(zero, zero, zero, pad, axis=0))  # [N, nb * BLOCK]
@@ -286,14 +321,110 @@ def _threshold(op, s, top, total, k_eff, k_off, top_p):  # type: ignore[no-untyp
     return thr, fits
 
 
-ONNX_TRANSLATIONS: dict[Any, Any] = {torch.ops.specgraph.sample.default: _sample_onnx}
+# --- the general rule: drafts with a real proposal distribution q ----------------------------------
 
 
-def example_inputs(batch: int, max_context: int) -> list[torch.Tensor]:
-    """Tracing values for the four sampling inputs."""
-    return [torch.zeros(batch), torch.zeros(batch, dtype=_I64), torch.ones(batch), torch.zeros(batch, max_context + 1)]
+@torch.library.custom_op("specgraph::filtered", mutates_args=())
+def filtered(
+    logits: torch.Tensor,  # [B, T, V]
+    temperature: torch.Tensor,  # [B] float, 0 = greedy
+    top_k: torch.Tensor,  # [B] int64, 0 = off
+    top_p: torch.Tensor,  # [B] float, 1 = off
+) -> torch.Tensor:
+    """p~ [B, T, V] float32: softmax(logits / temperature) restricted by top-k then top-p and
+    renormalised; at temperature 0 the one-hot of the argmax (the limit of p~ as T -> 0, and what
+    makes the general rule below the greedy rule)."""
+    b, t, v = logits.shape
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    z = (logits.float() / temp[:, None, None]).reshape(b * t, v)  # [N, V]
+    spread = lambda x: x[:, None].expand(b, t).reshape(-1)  # noqa: E731  [B] -> [N]
+    w = _kept_weights_eager(z, spread(top_k), spread(top_p.float()))  # [N, V]
+    p = (w / w.sum(-1, keepdim=True)).reshape(b, t, v)
+    onehot = (torch.arange(v)[None, None, :] == logits.argmax(dim=-1, keepdim=True)).float()  # [B, T, V]
+    return torch.where((temperature > 0)[:, None, None], p, onehot)
+
+
+@filtered.register_fake
+def _filtered_fake(logits, temperature, top_k, top_p):  # type: ignore[no-untyped-def]
+    return torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+
+
+def _filtered_onnx(logits, temperature, top_k, top_p):  # type: ignore[no-untyped-def]
+    """ONNX form: the sampling op's kept weights (two TopK stages), normalised."""
+    op = _OPSET24
+    one, two = op.Constant(value_ints=[1]), op.Constant(value_ints=[2])
+    shape = op.Shape(logits)  # [3]
+    b_t = op.Shape(logits, start=0, end=2)  # [2]
+    vocab = op.Shape(logits, start=2, end=3)  # [1]
+    greedy_row = op.LessOrEqual(temperature, op.CastLike(op.Constant(value_float=0.0), temperature))  # [B]
+    temp = op.Where(greedy_row, op.CastLike(op.Constant(value_float=1.0), temperature), temperature)
+    z = op.Div(op.Cast(logits, to=onnxscript.ir.DataType.FLOAT), op.Cast(op.Unsqueeze(temp, op.Constant(value_ints=[1, 2])),
+               to=onnxscript.ir.DataType.FLOAT))  # fmt: skip
+    flat = op.Concat(op.Constant(value_ints=[-1]), vocab, axis=0)
+
+    def spread(x):  # type: ignore[no-untyped-def]  # [B] -> [N]
+        return op.Reshape(op.Expand(op.Unsqueeze(x, one), b_t), op.Constant(value_ints=[-1]))
+
+    w = _kept_weights(op, op.Reshape(z, flat), spread(top_k), op.CastLike(spread(top_p), z))  # [N, V]
+    p = op.Reshape(op.Div(w, op.ReduceSum(w, one, keepdims=1)), shape)  # [B, T, V]
+    idx = op.Range(op.Constant(value_int=0), op.Squeeze(vocab, op.Constant(value_ints=[0])), op.Constant(value_int=1))
+    onehot = op.CastLike(op.Equal(op.Unsqueeze(idx, op.Constant(value_ints=[0, 1])),
+                                  op.ArgMax(logits, axis=2, keepdims=1)), p)  # fmt: skip
+    return op.Where(op.Not(op.Unsqueeze(greedy_row, op.Concat(one, two, axis=0))), p, onehot)
+
+
+def inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[...] int64: the token where u [...] * sum(w) falls in the running sum of w [..., V]
+    (w >= 0, not necessarily normalised), never past the last token with w > 0."""
+    c = torch.cumsum(w, dim=-1)  # [..., V]
+    at = (c <= u[..., None] * c[..., -1:]).sum(dim=-1)  # [...]
+    idx = torch.arange(w.shape[-1], dtype=_I64)
+    last = torch.where(w > 0, idx, torch.zeros_like(idx)).amax(dim=-1)  # [...]
+    return torch.minimum(at, last)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q) [..., V]: what a rejected draft's token is drawn from (normalised by the draw)."""
+    return torch.clamp(p - q, min=0)
+
+
+def speculative_draw(
+    p: torch.Tensor,  # [B, T, V] the target's p~ after each position
+    q: torch.Tensor,  # [B, T, V] the proposal of the draft after each position (zeros: no draft)
+    d: torch.Tensor,  # [B, T] the draft after each position
+    u_accept: torch.Tensor,  # [B, T]
+    u_residual: torch.Tensor,  # [B, T]
+) -> torch.Tensor:
+    """The target's token after each position under speculative sampling (Leviathan et al. 2023,
+    Chen et al. 2023, Theorem 1): d ~ q is kept with probability min(1, p(d)/q(d)), else the
+    token is drawn from max(0, p - q) normalised; either way it is distributed as p. A position
+    with no draft (q = 0) draws from p. Returns d where kept, else the draw [B, T]."""
+    pd = p.gather(2, d[..., None])[..., 0]  # [B, T]
+    qd = q.gather(2, d[..., None])[..., 0]
+    keep = (qd > 0) & (u_accept * qd < pd)  # u < p/q without dividing; q(d) > 0 for a drawn d
+    res = residual(p, q)  # [B, T, V]
+    res = torch.where(res.sum(-1, keepdim=True) > 0, res, p)  # p == q up to rounding: rejection never happens
+    return torch.where(keep, d, inverse_cdf(res, u_residual))
+
+
+ONNX_TRANSLATIONS: dict[Any, Any] = {
+    torch.ops.specgraph.sample.default: _sample_onnx,
+    torch.ops.specgraph.filtered.default: _filtered_onnx,
+}
+
+
+def example_inputs(batch: int, max_context: int, streams: int = 1) -> list[torch.Tensor]:
+    """Tracing values for the four sampling inputs (uniforms [B, streams * (S+1)])."""
+    return [torch.zeros(batch), torch.zeros(batch, dtype=_I64), torch.ones(batch),
+            torch.zeros(batch, streams * (max_context + 1))]  # fmt: skip
 
 
 def position_uniforms(uniforms: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """u for drawing the token at each of `positions` [B, R] from the [B, S+1] stream."""
     return uniforms.gather(1, positions.clamp(max=uniforms.shape[1] - 1))
+
+
+def stream(positions: torch.Tensor, r: int, streams: int) -> torch.Tensor:
+    """Column of draw r of the token at `positions` in uniforms [B, streams * (S+1)]: the
+    columns are position-major (streams * i + r), so one stream of length streams * (S+1) serves."""
+    return positions * streams + r if streams > 1 else positions

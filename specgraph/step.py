@@ -5,9 +5,10 @@ Inputs (every tensor keeps the batch dimension B):
   n_fixed     [B]     int64  how many leading tokens are given (the prompt at prefill, 1 later)
   cache_len   [B]     int64  tokens already in the KV cache; this call writes at that offset
   *state_inputs       a drafter's own per-row state (lookup: history [B, S+1], every token so far)
-  temperature [B] float, top_k [B] int64, top_p [B] float, uniforms [B, S+1] float
-              (engines compiled with sampling; see sampling.py) how to draw, and the uniform
-              for the token at each absolute position; temperature 0 is greedy
+  temperature [B] float, top_k [B] int64, top_p [B] float, uniforms [B, R*(S+1)] float
+              (engines compiled with sampling; see sampling.py) how to draw, and the R uniforms
+              for the token at each absolute position (R = `uniform_streams`: 1 for point-mass
+              drafters, 3 for a drafter with a real proposal q); temperature 0 is greedy
   past_key_i  [B, Hkv, D, S] / past_value_i [B, Hkv, S, D]  the preallocated caches
 Outputs:
   accepted    [B, T]  int64  tokens to emit this round; row b emits accepted[b, :n_accepted[b]]
@@ -43,6 +44,7 @@ class StepEngine(torch.nn.Module):
     draft_outputs: tuple[str, ...] = ()  # what `draft` returns besides next_tokens, in order
     trims: dict[str, str] = {}  # output -> the count output that says how much of it the next call needs
     extra_slots = 0  # cache slots a call writes beyond its tokens
+    uniform_streams = 1  # uniforms per position: one draw (point-mass drafts) or more (see `proposal`)
 
     def __init__(
         self,
@@ -80,7 +82,7 @@ class StepEngine(torch.nn.Module):
         args = [torch.zeros(batch, tokens, dtype=_I64), torch.ones(batch, dtype=_I64), torch.zeros(batch, dtype=_I64)]
         args += self.example_state(batch)
         if self.sampling:
-            args += sampling.example_inputs(batch, self.max_context)
+            args += sampling.example_inputs(batch, self.max_context, self.uniform_streams)
         return (*args, *(torch.zeros(batch, *shape) for shape in kv_shapes))
 
     def dynamic_shapes(self, args: tuple) -> tuple:
@@ -88,11 +90,18 @@ class StepEngine(torch.nn.Module):
         # forward(tokens, n_fixed, cache_len, *state): the varargs form one nested entry
         return ({0: batch, 1: tokens}, {0: batch}, {0: batch}, tuple({0: batch} for _ in args[3:]))
 
-    def draft(self, state, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
+    def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
         """Next round's tokens [B, 1+K] (the bonus, then K drafts) and the `draft_outputs`.
         tokens [B, T] are this call's, cache_len [B] where they started; the committed ones are
-        the first cache_len_out - cache_len, and the bonus [B, 1] goes at position cache_len_out."""
+        the first cache_len_out - cache_len, and the bonus [B, 1] goes at position cache_len_out.
+        params: the four sampling inputs (empty for a greedy-only engine)."""
         return bonus, []
+
+    def proposal(self, state):  # type: ignore[no-untyped-def]
+        """The proposal distributions q [B, K, V] of this call's drafts tokens[:, 1:] (carried in
+        `state` from the call that drew them), or None when every draft is a point mass (lookup,
+        Medusa, greedy drafting): then the verifier uses the one-hot closed form of the rule."""
+        return None
 
     def forward(self, tokens, n_fixed, cache_len, *rest):  # type: ignore[no-untyped-def]
         n_state = len(self.state_inputs)
@@ -105,14 +114,19 @@ class StepEngine(torch.nn.Module):
         masks = chain_masks(positions, s, self.sliding_window)
         span = attn_span(cache_len.max() + t, s)
         logits, *present = self.target(tokens, positions, *masks, cache_len, span, *kv)
-        if self.sampling:
+        q = self.proposal(state) if self.sampling else None
+        if q is not None:  # draws 0 and 1 of the token after each position: accept, residual
+            cols = [sampling.stream(positions + 1, r, self.uniform_streams) for r in (0, 1)]
+            u2 = torch.stack([sampling.position_uniforms(params[3], c) for c in cols], dim=-1)  # [B, T, 2]
+            pred = _chain_targets(tokens, logits, n_fixed, params[:3], u2, q)
+        elif self.sampling:
             u = sampling.position_uniforms(params[3], positions + 1)  # [B, T] for the token after each
             pred = _chain_targets(tokens, logits, n_fixed, params[:3], u)
         else:
             pred = logits.argmax(dim=-1)  # [B, T]
         accepted, n_accepted, bonus, committed = accept_chain(tokens, pred, n_fixed)
         cache_len_out = cache_len + committed  # [B]
-        next_tokens, extra = self.draft(state, tokens, cache_len, bonus, cache_len_out)
+        next_tokens, extra = self.draft(state, tokens, cache_len, bonus, cache_len_out, params)
         outputs = [accepted, n_accepted, next_tokens, cache_len_out, *extra, *present]
         if self.emit_logits:
             outputs.append(logits)
@@ -142,11 +156,29 @@ def dims(max_context: int) -> tuple[torch.export.Dim, torch.export.Dim]:
     return torch.export.Dim("batch", min=1, max=64), torch.export.Dim("tokens", min=1, max=max_context)
 
 
-def _chain_targets(tokens, logits, n_fixed, params, u):  # type: ignore[no-untyped-def]
-    """The target's token after each position: x[t] ~ p~(. | tokens[..t]) drawn with u[t]
-    (argmax at temperature 0). Accepting the drafts that equal x is speculative sampling with
-    one-hot draft distributions (see sampling.py); `tokens` is unused by this exact rule."""
-    return torch.ops.specgraph.sample(logits, n_fixed - 1, *params, u)
+def _chain_targets(tokens, logits, n_fixed, params, u, q=None):  # type: ignore[no-untyped-def]
+    """The target's token after each position under speculative sampling; `accept_chain` keeps
+    the drafts that equal it. q [B, K, V]: the proposals of the drafts tokens[:, n_fixed:], and u
+    [B, T, 2] the accept and residual draws: the general rule (`sampling.speculative_draw`).
+    q None (point-mass drafts) and u [B, T]: the same rule's closed form for one-hot q, x[t] ~ p~
+    by inverse CDF with u[t] (argmax at temperature 0), which needs neither q nor the drafts (see
+    sampling.py for why the two coincide)."""
+    if q is None:
+        return torch.ops.specgraph.sample(logits, n_fixed - 1, *params, u)
+    b, t = tokens.shape
+    k, v = q.shape[1], q.shape[2]
+    # Only the last K + 1 positions can be read (at most K drafts follow the given tokens), so p~
+    # is computed there alone: a prefill of P tokens must not filter P rows of the vocabulary.
+    w = torch.sym_min(t, k + 1)  # [B, W] window; positions before it get the argmax, which nothing reads
+    p = torch.ops.specgraph.filtered(logits[:, t - w :], *params)  # [B, W, V] p~ (one-hot at temperature 0)
+    d = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)[:, t - w :]  # [B, W] the draft after each position
+    idx = torch.arange(t - w, t, dtype=_I64)[None, :]  # [1, W] the window's positions
+    which = idx - (n_fixed[:, None] - 1)  # [B, W] which carried proposal drew that draft
+    has_draft = (which >= 0) & (idx < t - 1)  # the last position has no draft after it
+    q_t = q.gather(1, which.clamp(0, k - 1)[..., None].expand(b, w, v))  # [B, W, V]
+    q_t = q_t * has_draft[..., None].to(q_t.dtype)  # q = 0 where no draft: draw from p
+    x = sampling.speculative_draw(p, q_t, d, u[:, t - w :, 0], u[:, t - w :, 1])  # [B, W]
+    return torch.cat([logits[:, : t - w].argmax(dim=-1), x], dim=1)  # [B, T]
 
 
 def accept_chain(tokens: torch.Tensor, pred: torch.Tensor, n_fixed: torch.Tensor):  # type: ignore[no-untyped-def]

@@ -15,16 +15,22 @@ from specgraph.compiler import CompileConfig
 from specgraph.methods.medusa.heads import MedusaHeads, save_heads
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams
+from tests.models.tiny import save
 
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so lookup drafts often (and often wrongly)
 ROWS, BATCHES = 64, 256  # 16,384 draws per check
 TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]  # siblings at depths 1 and 2
+DRAFT_SEED = 1  # the draft model's weights: the target is seed 0
 
 
 def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
-    """How the 8-token model is compiled for the statistics: 3 lookup drafts, or random Medusa
-    heads (so candidates disagree with the target) with TREE; writes the heads and tree once."""
-    heads, tree = root / "heads.safetensors", root / "tree.json"
+    """How the 8-token model is compiled for the statistics: 3 lookup drafts, random Medusa
+    heads (so candidates disagree with the target) with TREE, or 3 drafts sampled from another
+    8-token model (DRAFT_SEED: its q is far from the target's p, total variation 0.4 for the first
+    token at temperature 1); writes the heads, tree and draft model once."""
+    heads, tree, draft = root / "heads.safetensors", root / "tree.json", root / "draft-v8"
+    if not draft.exists():
+        save("llama-v8", draft, seed=DRAFT_SEED)
     if not heads.exists():
         torch.manual_seed(1)
         module = MedusaHeads(64, 4)
@@ -34,7 +40,8 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
         save_heads(heads, module, {"vocab_size": 8, "model": "tiny"})
         tree.write_text(json.dumps({"paths": TREE}))
     name = method.split("-")[0]
-    own = {"lookup": {"num_draft": 3}, "medusa": {"heads": str(heads), "tree": str(tree)}}.get(name, {})
+    own = {"lookup": {"num_draft": 3}, "medusa": {"heads": str(heads), "tree": str(tree)},
+           "draft": {"draft": str(draft), "num_draft": 3}}.get(name, {})  # fmt: skip
     return CompileConfig.of(folder, root / method, name, max_context=64, **own)
 
 

@@ -80,8 +80,9 @@ def test_bundle_runs_the_gguf_blocks_as_stored(default):
 
 
 def test_sampled_text_is_the_same_for_every_method(default):
-    """Lossless sampling on the real model: with the same seed every speculative engine emits
-    exactly the tokens plain sampling (`none`) emits, at each setting (a draw within float
+    """Lossless sampling on the real model: with the same seed every point-mass speculative
+    engine (lookup, Medusa; not `draft`, whose drafts are sampled) emits exactly the tokens
+    plain sampling (`none`) emits, at each setting (a draw within float
     rounding of a CDF boundary may flip, like an argmax tie; it is reported, not failed)."""
     loaded, bundles = default
     differs_from_greedy = 0

@@ -1,6 +1,6 @@
 """The C++ host (host/): built once per session with CMake, then held to the Python host.
 
-For none, lookup and medusa bundles it must emit the Python host's tokens, greedy and seeded; its
+For none, lookup, medusa and draft bundles it must emit the Python host's tokens, greedy and seeded; its
 parts (numpy's uniform stream, SHA-256, every ONNX Runtime API slot it declares) are checked one by
 one; bad bundles, flags and requests give one line on stderr and a non-zero exit. The module is
 skipped, saying why, where CMake or a C++ compiler is missing.
@@ -75,9 +75,10 @@ def ort_lib() -> Path:
 
 @pytest.fixture(scope="session")
 def bundles(tiny_bundle, tiny_folder, tmp_path_factory) -> dict[str, Path]:
-    """Tiny llama bundles: none and lookup from conftest, medusa with seeded random heads."""
+    """Tiny llama bundles: none and lookup from conftest, medusa with seeded random heads, draft
+    with another tiny llama as the draft (sampled drafts: 3 uniforms per position, q as state)."""
     from specgraph.methods.medusa.heads import MedusaHeads, save_heads
-    from tests.models.tiny import VOCAB
+    from tests.models.tiny import VOCAB, save
 
     tmp = tmp_path_factory.mktemp("host_medusa")
     torch.manual_seed(1)
@@ -90,7 +91,11 @@ def bundles(tiny_bundle, tiny_folder, tmp_path_factory) -> dict[str, Path]:
     medusa = tmp / "bundle"
     specgraph.compile(tiny_folder("llama"), medusa, method="medusa", max_context=160,
                       heads=str(tmp / "heads.safetensors"))  # fmt: skip
-    return {"none": tiny_bundle("llama", "none"), "lookup": tiny_bundle("llama", "lookup"), "medusa": medusa}
+    draft = tmp / "draft_bundle"
+    specgraph.compile(tiny_folder("llama"), draft, method="draft", max_context=160, num_draft=3,
+                      draft=str(save("llama", tmp / "other_llama", seed=7)))  # fmt: skip
+    return {"none": tiny_bundle("llama", "none"), "lookup": tiny_bundle("llama", "lookup"), "medusa": medusa,
+            "draft": draft}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -172,7 +177,7 @@ def test_every_ort_slot_does_what_its_index_promises(host, ort_lib, bundles, met
 # --- the same tokens as the Python host ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "medusa"])
+@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "draft"])
 def test_same_tokens_as_python(host, ort_lib, bundles, engines, method):
     """Greedy and seeded sampling (T 0.7 with top-p 0.9, with and without top-k; top-k alone)."""
     for prompt in PROMPTS:
@@ -257,6 +262,16 @@ def _move_external_data(bundle: Path, location: str) -> None:
         {"model.onnx": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}))  # fmt: skip
 
 
+def _uniforms_width(width: int):  # type: ignore[no-untyped-def]
+    """A manifest edit: declare uniforms [batch, width] (the host fills the declared width)."""
+
+    def change(manifest: dict) -> None:
+        spec = next(v for v in manifest["graph"]["inputs"] if v["name"] == "uniforms")
+        spec["shape"] = [spec["shape"][0], width]
+
+    return change
+
+
 def _flip_last_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
@@ -282,6 +297,8 @@ BAD_BUNDLES = {
     "external data unlisted": (lambda b: _move_external_data(b, "other.data"),
                                "reads external data from other.data, which the manifest does not list"),
     "state not an input": (lambda b: _edit_manifest(b, lambda m: m["graph"]["state"].append("nope")), "graph.state"),
+    "uniforms width": (lambda b: _edit_manifest(b, _uniforms_width(100)),
+                       "input uniforms is not [batch, R * (max_context + 1)]"),
 }  # fmt: skip
 
 

@@ -11,6 +11,8 @@ deliberately broken acceptance rule. docs/benchmarks.md records the p-values and
 
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
 
 import numpy as np
@@ -22,7 +24,7 @@ import specgraph.sampling
 import specgraph.step
 import specgraph.step_tree
 from specgraph.compiler import CompileConfig, compile_model
-from specgraph.errors import InputError
+from specgraph.errors import BundleError, InputError
 from specgraph.runtime import Engine
 from specgraph.sampling import ONNX_TRANSLATIONS, filter_logits, sample, uniform_stream
 from tests.greedy import assert_same_sampled
@@ -30,6 +32,8 @@ from tests.models.tiny import build
 from tests.stats import PROMPT, chi_square, engine_counts, exact_joint, hf_law, v8_config
 
 SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.7)]  # temperature, top_k, top_p
+# the draft's q is filtered like p: also top-k and top-p together at a low temperature
+OWN_SETTINGS = {"draft": [(0.7, 4, 0.9)]}
 ALPHA = 1e-4
 
 
@@ -53,13 +57,14 @@ def v8(tiny_folder, tmp_path_factory):
     return get, build("llama-v8")
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "medusa"])
+@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "draft"])
 def test_joint_law_of_three_tokens_matches_direct_sampling(method, v8):
     get, model = v8
     engine = get(method)
-    for i, setting in enumerate(SETTINGS):
+    for i, setting in enumerate(SETTINGS + OWN_SETTINGS.get(method, [])):
         law = exact_joint(model, PROMPT, setting)
         p_value, tv = chi_square(engine_counts(engine, setting, seed=7 + i, v=8), law)
+        print(f"{method} {setting}: p = {p_value:.3g}, TV = {tv:.4f}")  # shown with -s
         assert p_value > ALPHA, f"{method} {setting}: chi-square p = {p_value:.2e}, TV = {tv:.4f}"
 
 
@@ -83,6 +88,12 @@ def _siblings_as_if_alone(row, children, tokens, params, u):  # type: ignore[no-
     return torch.where(hit.to(torch.int64).amax(dim=-1, keepdim=True) > 0, tokens.gather(1, first), x)
 
 
+def _residual_is_p(p, q):  # type: ignore[no-untyped-def]
+    """BROKEN on purpose: after rejecting a draft d ~ q, draw from p itself instead of
+    max(0, p - q); tokens q over-proposes then come out too often."""
+    return p
+
+
 def _uniform_reused(uniforms, positions):  # type: ignore[no-untyped-def]
     """BROKEN on purpose: positions 2i and 2i+1 share a uniform. Each token's own law is still
     exactly right; only the joint law is wrong, which a per-token test would never see."""
@@ -95,6 +106,7 @@ def _uniform_reused(uniforms, positions):  # type: ignore[no-untyped-def]
         ("lookup", specgraph.step, "_chain_targets", _residual_forgotten),
         ("medusa", specgraph.step_tree, "_node_draw", _siblings_as_if_alone),
         ("none", specgraph.sampling, "position_uniforms", _uniform_reused),
+        ("draft", specgraph.sampling, "residual", _residual_is_p),
     ],
 )
 def test_the_same_test_rejects_a_broken_rule(method, module, name, broken, v8, monkeypatch):
@@ -103,6 +115,7 @@ def test_the_same_test_rejects_a_broken_rule(method, module, name, broken, v8, m
     engine = get(f"{method}-broken")
     setting = SETTINGS[0]
     p_value, tv = chi_square(engine_counts(engine, setting, seed=3, v=8), exact_joint(model, PROMPT, setting))
+    print(f"broken {method} {setting}: p = {p_value:.3g}, TV = {tv:.4f}")  # shown with -s
     assert p_value < ALPHA, f"a broken {method} rule passed: p = {p_value:.2e}, TV = {tv:.4f}"
 
 
@@ -170,9 +183,10 @@ def test_reference_filter_matches_hugging_face_warpers():
 
 
 def test_seeded_sampling_is_the_same_text_for_every_method(tiny_bundle):
-    """Uniforms belong to positions, so a speculative engine emits exactly the tokens `none`
-    emits with the same seed (up to a draw within float rounding of a CDF boundary, reported as
-    a tie), and a seed reproduces a run."""
+    """Uniforms belong to positions, so an engine whose drafts are point masses (lookup here;
+    Medusa in test_default_model) emits exactly the tokens `none` emits with the same seed (up to
+    a draw within float rounding of a CDF boundary, reported as a tie), and a seed reproduces a
+    run. `draft` samples its drafts, so it is equal in law only (tests/methods/test_draft.py)."""
     prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
     model = build("llama")
     engines = [Engine(tiny_bundle("llama", m)) for m in ("none", "lookup")]
@@ -201,6 +215,19 @@ def test_bad_sampling_values_are_one_line_errors(kwargs, message, tiny_bundle):
     engine = Engine(tiny_bundle("llama", "none"))
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
         engine.generate([1, 2, 3], 4, **kwargs)
+
+
+def test_a_uniforms_width_that_is_not_whole_positions_is_refused(tiny_bundle, tmp_path):
+    """The host fills the declared width, R draws per position: a width that is not a multiple
+    of max_context + 1 is a broken bundle, refused in one line (as by the C++ host)."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle("llama", "none"), bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    spec = next(v for v in manifest["graph"]["inputs"] if v["name"] == "uniforms")
+    spec["shape"] = [spec["shape"][0], 100]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"input uniforms has shape .* not \[batch, R \* \(max_context \+ 1\)\]"):
+        Engine(bundle)
 
 
 def test_a_greedy_only_bundle_refuses_to_sample(tiny_folder, tmp_path):

@@ -228,11 +228,12 @@ int ort_slots(const std::string& lib_path, const std::string& bundle) {
   }
   if (m.sampling) {
     float t = 0, p = 1;
-    std::vector<float> u(size_t(m.max_context + 1), uniforms_zero);
+    const int64_t width = m.input("uniforms")->dims[1];  // R * (max_context + 1)
+    std::vector<float> u(size_t(width), uniforms_zero);
     bound = bound && !a.BindInput(io, "temperature", tensor(ort::kFloat, {1}, &t));
     bound = bound && !a.BindInput(io, "top_k", tensor(ort::kInt64, {1}, &zero));
     bound = bound && !a.BindInput(io, "top_p", tensor(ort::kFloat, {1}, &p));
-    bound = bound && !a.BindInput(io, "uniforms", tensor(ort::kFloat, {1, m.max_context + 1}, u.data()));
+    bound = bound && !a.BindInput(io, "uniforms", tensor(ort::kFloat, {1, width}, u.data()));
   }
   report(bound, 136, "BindInput", "every input bound");
   bool outs = true;

@@ -256,9 +256,10 @@ void Engine::check_graph() {
     if (problem.empty() && !same) problem = "graph input " + name + " has another shape than the manifest says";
   }
   if (manifest_.sampling && problem.empty()) {
+    // [batch, R * (max_context + 1)]: R draws per position (1, or 3 for a drafter that samples its drafts)
     const TensorSpec* u = manifest_.input("uniforms");
-    if (u->dims.size() != 2 || (u->dims[1] >= 0 && u->dims[1] != manifest_.max_context + 1)) {
-      problem = "input uniforms is not [batch, max_context + 1]";
+    if (u->dims.size() != 2 || u->dims[1] <= 0 || u->dims[1] % (manifest_.max_context + 1) != 0) {
+      problem = "input uniforms is not [batch, R * (max_context + 1)]";
     }
   }
   for (const auto& b : manifest_.bindings) {
@@ -383,14 +384,16 @@ Generation Engine::generate(const std::vector<int64_t>& prompt, int64_t max_new_
   if (m.sampling) {
     float temperature = float(sampling.temperature), top_p = float(sampling.top_p);
     int64_t top_k = sampling.top_k;
-    // uniforms[0, i] draws the token at absolute position i; zeros when nothing is drawn.
-    std::vector<float> uniforms = sampling.has_seed ? uniform_stream(sampling.seed, size_t(m.max_context + 1))
-                                                    : std::vector<float>(size_t(m.max_context + 1), 0.0f);
+    // uniforms[0, R*i + r] is draw r of the token at absolute position i, R = the declared width
+    // / (max_context + 1), checked at load; zeros when nothing is drawn.
+    const int64_t width = m.input("uniforms")->dims[1];
+    std::vector<float> uniforms = sampling.has_seed ? uniform_stream(sampling.seed, size_t(width))
+                                                    : std::vector<float>(size_t(width), 0.0f);
     fixed.push_back(std::make_unique<HostTensor>(lib_, cpu_, ort::kFloat, std::vector<int64_t>{1}, &temperature));
     fixed.push_back(std::make_unique<HostTensor>(lib_, cpu_, ort::kInt64, std::vector<int64_t>{1}, &top_k));
     fixed.push_back(std::make_unique<HostTensor>(lib_, cpu_, ort::kFloat, std::vector<int64_t>{1}, &top_p));
-    fixed.push_back(std::make_unique<HostTensor>(lib_, cpu_, ort::kFloat, std::vector<int64_t>{1, m.max_context + 1},
-                                                 uniforms.data()));
+    fixed.push_back(
+        std::make_unique<HostTensor>(lib_, cpu_, ort::kFloat, std::vector<int64_t>{1, width}, uniforms.data()));
     for (size_t i = 0; i < 4; ++i) base.emplace_back(kSamplingInputs[i], fixed[i]->value());
   }
   int64_t zero = 0, one = 1;

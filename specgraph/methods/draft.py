@@ -15,8 +15,19 @@ One call = one round, all inside one ONNX graph:
 The draft's cache (`draft_past_*`) is one more in-place buffer; rollback is not advancing, as for
 the target: everything past the committed tokens is rewritten before it is read.
 
-Drafts are the draft's argmax, so q is a point mass and the shared equality rule (accept d when
-it equals the target's own token) is exact for greedy and for sampling alike.
+Greedy (temperature 0, and every call of a bundle compiled without sampling): the drafts are
+the draft's argmax and the verifier keeps those equal to the target's argmax.
+
+Sampling: d'_i is drawn from the draft's own q_i (its logits through the same temperature,
+top-k and top-p as the target, `sampling.filtered`) by inverse CDF with draw 2 of its position's
+uniforms, and the next call verifies it with the general rule (accept with min(1, p/q), else draw
+from max(0, p - q); `sampling.speculative_draw`), which needs q_i(d_i) and the whole q_i. The
+call hands q_1..q_K on as drafter state `draft_q` [B, K, V] float32 (`draft_q_out` feeds it):
+the cheapest exact form. Recomputing q_i in the verifying call would rerun the draft on the K
+drafts (the draft's cache holds keys and values, not logits); the raw logits are the same size
+and would be filtered twice; a top-k sparse form is not exact when top-k is off. At temperature 0
+q_i is the one-hot of the argmax, so the same graph drafts and verifies greedily, token for token
+as a bundle compiled without sampling, which carries no `draft_q` at all.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from typing import Any
 
 import torch
 
+from specgraph import sampling
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
 from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
@@ -77,15 +89,20 @@ class DraftStepEngine(StepEngine):
     # the draft's products run on T + 1 and 1 tokens, and its weights are its own (exporters/gemm.py)
     drafter_weights = ("p_draft_gm_", "draft_gm.")
 
-    def __init__(self, *args: Any, drafter: Drafter, num_draft: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, drafter: Drafter, num_draft: int, vocab_size: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.vocab_size = vocab_size
         self.draft_gm = drafter.gm  # registered as a submodule: its weights are draft_gm.*
         self.draft_layers = drafter.num_layers
         self.draft_kv_shapes = drafter.kv_shapes
         self.draft_window = drafter.window
         self.num_draft = num_draft
-        self.state_inputs = tuple(kv_names("draft_past", drafter.num_layers))
-        self.draft_outputs = tuple(kv_names("draft_present", drafter.num_layers))
+        # with sampling, q of the drafts rides along (see the module docstring)
+        q = ("draft_q",) if self.sampling else ()
+        self.state_inputs = (*kv_names("draft_past", drafter.num_layers), *q)
+        self.draft_outputs = (*kv_names("draft_present", drafter.num_layers), *(f"{n}_out" for n in q))
+        # uniforms per position with sampling: 0 accept, 1 residual (or the plain draw), 2 the draft's draw
+        self.uniform_streams = 3 if self.sampling else 1
 
     @property
     def extra_slots(self) -> int:  # type: ignore[override]
@@ -93,24 +110,41 @@ class DraftStepEngine(StepEngine):
         return self.num_draft
 
     def example_state(self, batch: int) -> list[torch.Tensor]:
-        return [torch.zeros(batch, *shape) for shape in self.draft_kv_shapes]
+        q = [torch.zeros(batch, self.num_draft, self.vocab_size)] if self.sampling else []
+        return [*(torch.zeros(batch, *shape) for shape in self.draft_kv_shapes), *q]
 
-    def draft(self, state, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
+    def proposal(self, state):  # type: ignore[no-untyped-def]
+        return state[-1] if self.sampling else None  # draft_q [B, K, V]
+
+    def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
         b, t = tokens.shape
         committed = cache_len_out - cache_len  # [B] tokens of this call now in the target's cache
         idx = torch.arange(t + 1, dtype=_I64)[None, :]  # [1, T+1]
         padded = torch.cat([tokens, bonus], dim=1)  # [B, T+1]
         seq = torch.where(idx == committed[:, None], bonus, padded)  # committed tokens, then the bonus
-        kv = list(state)
+        kv = list(state[: 2 * self.draft_layers])
         # catch-up: every committed token and the bonus; the logits at the bonus propose d'_1
         logits, kv = self._run(seq, cache_len[:, None] + idx, cache_len, kv)  # [B, T+1, V]
         last = logits.gather(1, committed[:, None, None].expand(b, 1, logits.shape[-1]))  # [B, 1, V]
-        drafts = [last.argmax(dim=-1)]  # [B, 1] each: the draft's own greedy token
+        d, q = self._propose(last, cache_len_out[:, None] + 1, params)
+        drafts, qs = [d], [q]  # [B, 1] and [B, 1, V] each
         for i in range(1, self.num_draft):
             pos = cache_len_out[:, None] + i  # [B, 1] where d'_i goes
             logits, kv = self._run(drafts[-1], pos, pos[:, 0], kv)
-            drafts.append(logits.argmax(dim=-1))
-        return torch.cat([bonus, *drafts], dim=1), kv  # next_tokens [B, 1+K], draft caches
+            d, q = self._propose(logits, pos + 1, params)
+            drafts.append(d)
+            qs.append(q)
+        carried = [torch.cat(qs, dim=1)] if self.sampling else []  # draft_q_out [B, K, V]
+        return torch.cat([bonus, *drafts], dim=1), [*kv, *carried]  # next_tokens [B, 1+K], draft state
+
+    def _propose(self, logits, at, params):  # type: ignore[no-untyped-def]
+        """The draft token at positions `at` [B, 1] from the draft's logits [B, 1, V], and its q:
+        the argmax (q unused) without sampling, else d ~ q by inverse CDF with draw 2 of `at`."""
+        if not self.sampling:
+            return logits.argmax(dim=-1), None
+        q = torch.ops.specgraph.filtered(logits, *params[:3])  # [B, 1, V]; one-hot at temperature 0
+        u = sampling.position_uniforms(params[3], sampling.stream(at, 2, self.uniform_streams))  # [B, 1]
+        return sampling.inverse_cdf(q, u), q
 
     def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
         """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""
@@ -168,7 +202,8 @@ class DraftMethod(Method):
     def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
         opts: DraftOptions = cfg.opts
         engine = DraftStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
-                                 cfg.engine_samples, drafter=drafter, num_draft=opts.num_draft)  # fmt: skip
+                                 cfg.engine_samples, drafter=drafter, num_draft=opts.num_draft,
+                                 vocab_size=anatomy.vocab_size)  # fmt: skip
         # the target's weights follow --weights; the draft's are its own (quantised in `finish`)
         return Built(engine, {"weights_skip": "draft_gm."})
 

@@ -45,7 +45,7 @@ class LookupStepEngine(StepEngine):
     def example_state(self, batch: int) -> list[torch.Tensor]:
         return [torch.zeros(batch, self.max_context + 1, dtype=_I64)]
 
-    def draft(self, state, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
+    def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
         history_out = _record(state[0], tokens, cache_len, bonus, cache_len_out)
         drafts, n_draft = _lookup_drafts(history_out, cache_len_out, self.num_draft, self.max_ngram)
         return torch.cat([bonus, drafts], dim=1), [history_out, n_draft]  # next_tokens [B, 1+K]
