@@ -169,7 +169,9 @@ def _chain_targets(tokens, logits, n_fixed, params, u, q=None):  # type: ignore[
     k, v = q.shape[1], q.shape[2]
     # Only the last K + 1 positions can be read (at most K drafts follow the given tokens), so p~
     # is computed there alone: a prefill of P tokens must not filter P rows of the vocabulary.
-    w = torch.sym_min(t, k + 1)  # [B, W] window; positions before it get the argmax, which nothing reads
+    # Positions before the window carry no proposal; in a call whose given tokens end earlier (a
+    # ragged batch's padded prefill row) they are drawn from p~ alone, with the residual stream.
+    w = torch.sym_min(t, k + 1)  # [B, W] window
     p = torch.ops.specgraph.filtered(logits[:, t - w :], *params)  # [B, W, V] p~ (one-hot at temperature 0)
     d = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)[:, t - w :]  # [B, W] the draft after each position
     idx = torch.arange(t - w, t, dtype=_I64)[None, :]  # [1, W] the window's positions
@@ -178,7 +180,9 @@ def _chain_targets(tokens, logits, n_fixed, params, u, q=None):  # type: ignore[
     q_t = q.gather(1, which.clamp(0, k - 1)[..., None].expand(b, w, v))  # [B, W, V]
     q_t = q_t * has_draft[..., None].to(q_t.dtype)  # q = 0 where no draft: draw from p
     x = sampling.speculative_draw(p, q_t, d, u[:, t - w :, 0], u[:, t - w :, 1])  # [B, W]
-    return torch.cat([logits[:, : t - w].argmax(dim=-1), x], dim=1)  # [B, T]
+    first = torch.clamp(n_fixed - 1, max=t - w)  # == T - W (nothing to draw) in every unpadded call
+    before = torch.ops.specgraph.sample(logits[:, : t - w], first, *params, u[:, : t - w, 1])  # [B, T-W]
+    return torch.cat([before, x], dim=1)  # [B, T]
 
 
 def accept_chain(tokens: torch.Tensor, pred: torch.Tensor, n_fixed: torch.Tensor):  # type: ignore[no-untyped-def]
