@@ -102,7 +102,7 @@ def test_a_one_token_row_padded_to_the_tree_size_is_verified_as_a_tree(bundle, m
     drafts, which is still the target's greedy text."""
     engine = Engine(bundle("medusa"))
     nodes = engine.manifest["medusa"]["tree_size"]
-    rows = [[42], [(7 * i) % 256 for i in range(nodes)]]
+    rows = [[42], [1 + (7 * i) % 255 for i in range(nodes)]]  # no id 0: hf_greedy pads with it
     batch = engine.generate_batch(rows, max_new_tokens=24, stop_at_eos=False)
     for row, result in zip(rows, batch, strict=True):
         assert result.output_ids == engine.generate(row, max_new_tokens=24, stop_at_eos=False).output_ids
@@ -115,18 +115,20 @@ SEEDED = [m for m in methods.names() if methods.get(m).speculative and m != "dra
 
 
 @pytest.mark.parametrize("method", SEEDED)
-@pytest.mark.parametrize("seed", [0, 11])
-def test_seeded_ragged_batch_equals_the_none_engine_s(method, seed, bundle, model):
-    setting = (0.8, 0, 0.9)
-    params = SamplingParams(*setting, seed=seed)
+def test_seeded_ragged_batch_equals_the_none_engine_s(method, bundle, model):
+    setting = (0.3, 0, 0.9)  # a low temperature: the tiny model then repeats itself enough to accept drafts
     spec, plain = Engine(bundle(method)), Engine(bundle("none"))
-    got = spec.generate_batch(ROWS, NEW_TOKENS, False, params)
-    want = plain.generate_batch(ROWS, NEW_TOKENS, False, params)
-    uniforms = uniform_stream(seed, len(ROWS), spec.max_context + 1)
-    for b, row in enumerate(ROWS):
-        assert_same_sampled(model, row, got[b].output_ids, want[b].output_ids, setting, uniforms[b])
-        assert got[b].sampling.seed == seed
-    assert _rounds_differ(got)
+    ragged = []
+    for seed in (0, 11):
+        params = SamplingParams(*setting, seed=seed)
+        got = spec.generate_batch(ROWS, NEW_TOKENS, False, params)
+        want = plain.generate_batch(ROWS, NEW_TOKENS, False, params)
+        uniforms = uniform_stream(seed, len(ROWS), spec.max_context + 1)
+        for b, row in enumerate(ROWS):
+            assert_same_sampled(model, row, got[b].output_ids, want[b].output_ids, setting, uniforms[b])
+            assert got[b].sampling.seed == seed and len(got[b].output_ids) == NEW_TOKENS
+        ragged.append(_rounds_differ(got))
+    assert any(ragged), f"{method}: no seeded batch had rows accept different counts in a round"
 
 
 def test_bad_batches_are_refused_in_one_line(bundle):
