@@ -306,11 +306,11 @@ class Engine:
             raise InputError(f"generate_batch takes at most {MAX_BATCH} prompts (the engine's batch limit), "
                              f"got {len(prompts)}: split them into several calls")  # fmt: skip
         rows = [check_prompt_ids(p, int(self.manifest["vocab_size"])) for p in prompts]
-        for b, row in enumerate(rows):
-            if len(row) + self.extra_slots >= self.max_context:
+        for b, ids in enumerate(rows):
+            if len(ids) + self.extra_slots >= self.max_context:
                 which = f"prompt {b}" if len(rows) > 1 else "prompt"
                 raise InputError(
-                    f"{which} has {len(row)} tokens but the engine's maximum context is {self.max_context}; "
+                    f"{which} has {len(ids)} tokens but the engine's maximum context is {self.max_context}; "
                     "recompile with a larger --max-context or shorten the prompt"
                 )
         lengths = [len(row) for row in rows]
