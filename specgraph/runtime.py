@@ -26,6 +26,7 @@ from specgraph import sampling
 from specgraph.errors import BundleError, InputError
 from specgraph.exporters.manifest import read_manifest
 from specgraph.sampling import SamplingParams, uniform_stream
+from specgraph.step import MAX_BATCH
 
 # Inputs every engine takes, with their ONNX types (a method's state and constants carry theirs
 # in the manifest), and the outputs the host reads.
@@ -187,13 +188,14 @@ class Engine:
         if problem is not None:
             raise BundleError(f"{self.bundle}: {problem}; recompile the bundle")
 
-    def first_feeds(self, tokens: np.ndarray, n_fixed: int, cache_len: int) -> dict[str, Any]:
+    def first_feeds(self, tokens: np.ndarray, n_fixed: int | list[int], cache_len: int) -> dict[str, Any]:
         """Inputs of a call that does not follow another (prefill, timing): the method's state
-        zeroed, its constants as the manifest gives them."""
+        zeroed, its constants as the manifest gives them. `n_fixed` is one count for every row or
+        one per row (a ragged prefill: row b's tokens after its n_fixed[b] are drafts)."""
         batch = tokens.shape[0]
         feeds: dict[str, Any] = {
             "tokens": tokens,
-            "n_fixed": np.full(batch, n_fixed, np.int64),
+            "n_fixed": np.broadcast_to(np.asarray(n_fixed, np.int64), (batch,)).copy(),
             "cache_len": np.full(batch, cache_len, np.int64),
             **self._constants,
         }
@@ -294,8 +296,12 @@ class Engine:
         params: SamplingParams | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for equal-length prompts, one engine row each, in lockstep (rows that
-        stopped keep running until all have). Row b draws with uniforms[b] of the seed's stream."""
+        """Generate for prompts of any lengths, one engine row each, in lockstep (rows that
+        stopped keep running until all have). Row b draws with uniforms[b] of the seed's stream.
+
+        One prefill call runs every prompt, padded to the longest, with n_fixed[b] = len(prompt b):
+        the engine verifies a row's padding as drafts, so a row emits exactly what it would alone.
+        The batch stops with "max_context" when its longest row's next round would not fit."""
         max_new_tokens = _check_max_new_tokens(max_new_tokens)
         params = self.check_sampling(params)
         params = params.with_seed() if not params.greedy else params
@@ -303,20 +309,32 @@ class Engine:
             prompts = list(prompts)
         if not isinstance(prompts, list | tuple) or not prompts:
             raise InputError(f"generate_batch takes a non-empty list of prompts, got {_show(prompts)}")
+        if len(prompts) > MAX_BATCH:
+            raise InputError(f"generate_batch takes at most {MAX_BATCH} prompts (the engine's batch limit), "
+                             f"got {len(prompts)}: split them into several calls")  # fmt: skip
         rows = [check_prompt_ids(p, int(self.manifest["vocab_size"])) for p in prompts]
-        if any(len(r) != len(rows[0]) for r in rows):
-            raise InputError("generate_batch needs prompts of equal length")
-        length = len(rows[0])
-        if length + self.extra_slots >= self.max_context:
-            raise InputError(
-                f"prompt has {length} tokens but the engine's maximum context is {self.max_context}; "
-                "recompile with a larger --max-context or shorten the prompt"
-            )
+        for b, ids in enumerate(rows):
+            if len(ids) + self.extra_slots >= self.max_context:
+                which = f"prompt {b}" if len(rows) > 1 else "prompt"
+                raise InputError(
+                    f"{which} has {len(ids)} tokens but the engine's maximum context is {self.max_context}; "
+                    "recompile with a larger --max-context or shorten the prompt"
+                )
+        lengths = [len(row) for row in rows]
+        longest = max(lengths)
+        # Padding: each row is filled up to the longest with its own last token. The engine treats
+        # every token after a row's n_fixed as a draft: it verifies it like any draft (a wrong
+        # one is rejected; one equal to the target's own next token is accepted, which is the
+        # output anyway), and its cache slots and (lookup) history entries lie past the committed
+        # length, where the next call writes before anything reads. So any in-vocabulary id
+        # would be lossless; the row's own token keeps a row's call a function of that row alone
+        # (no other row's text enters it) and is always in the vocabulary.
+        padded = np.asarray([row + [row[-1]] * (longest - len(row)) for row in rows], np.int64)
         batch = len(rows)
         state = self.new_state(batch, params)
         io = self.session.io_binding()
         start = time.perf_counter()
-        out = self.call(io, self.first_feeds(np.asarray(rows, np.int64), length, 0), state)
+        out = self.call(io, self.first_feeds(padded, lengths, 0), state)
         prefill_s = time.perf_counter() - start
         emitted: list[list[int]] = [[] for _ in rows]
         counts: list[list[int]] = [[] for _ in rows]

@@ -2,7 +2,9 @@
 
 Inputs (every tensor keeps the batch dimension B):
   tokens      [B, T]  int64  the tokens to run: `n_fixed` known tokens, then the drafts
-  n_fixed     [B]     int64  how many leading tokens are given (the prompt at prefill, 1 later)
+  n_fixed     [B]     int64  how many leading tokens are given (the prompt at prefill, 1 later);
+                             per row, so prompts of different lengths share one prefill: a
+                             row's tokens after its n_fixed are drafts like any other
   cache_len   [B]     int64  tokens already in the KV cache; this call writes at that offset
   *state_inputs       a drafter's own per-row state (lookup: history [B, S+1], every token so far)
   temperature [B] float, top_k [B] int64, top_p [B] float, uniforms [B, R*(S+1)] float
@@ -33,6 +35,7 @@ from specgraph import sampling
 
 _I64 = torch.int64
 _SPAN_BUCKET = 64  # attention reads cache slots in multiples of this
+MAX_BATCH = 64  # rows per call: the exported batch dimension's upper bound (hosts refuse more)
 
 
 class StepEngine(torch.nn.Module):
@@ -153,7 +156,7 @@ def kv_names(prefix: str, num_layers: int) -> list[str]:
 
 def dims(max_context: int) -> tuple[torch.export.Dim, torch.export.Dim]:
     """The dynamic batch and token dimensions every engine exports with."""
-    return torch.export.Dim("batch", min=1, max=64), torch.export.Dim("tokens", min=1, max=max_context)
+    return torch.export.Dim("batch", min=1, max=MAX_BATCH), torch.export.Dim("tokens", min=1, max=max_context)
 
 
 def _chain_targets(tokens, logits, n_fixed, params, u, q=None):  # type: ignore[no-untyped-def]

@@ -11,7 +11,9 @@ Inputs beyond the chain engine's (see step.py):
 Outputs: accepted [B, P+1], n_accepted [B], next_tokens [B, N], cache_len_out [B],
   path_src_out [B, P], n_path_out [B], present_*; logits [B, T, V] with emit_logits.
 A call whose rows have n_fixed == 1 and T == N is a tree step; anything else (the prefill) is a
-chain whose first n_fixed tokens are given.
+chain whose first n_fixed tokens are given and whose later tokens (a ragged batch's padding) are
+rejected: it emits the bonus only. Per row: in a ragged prefill, a 1-token prompt padded to N
+tokens is a tree step whose nodes are the padding, verified like any tree.
 """
 
 from __future__ import annotations
@@ -141,16 +143,20 @@ class TreeStepEngine(torch.nn.Module):
         logits, *rest = self.target(tokens, positions, *masks, cache_len, span, *kv, path_src, n_path)
         present, hidden = rest[:-1], rest[-1]
 
+        # A chain row (the prefill) keeps its given tokens and no draft: `accepted` has room for a
+        # tree branch, not for a chain, so the tokens after n_fixed (a ragged batch's padding) are
+        # all rejected here: -1 equals no token the target picks.
+        given = torch.where(torch.arange(t, dtype=_I64)[None, :] < n_fixed[:, None], tokens, -torch.ones_like(tokens))
         if self.sampling:
             # Chain rule for the prefill rows (tree rows draw nothing here: first = T).
             u = sampling.position_uniforms(params[3], positions + 1)  # [B, T]
             first = torch.where(is_tree, torch.full_like(n_fixed, t), n_fixed - 1)
             c_acc, c_n, c_bonus, c_committed = accept_chain(
-                tokens, torch.ops.specgraph.sample(logits, first, *params[:3], u), n_fixed
+                given, torch.ops.specgraph.sample(logits, first, *params[:3], u), n_fixed
             )
             branch, n_acc, t_bonus = walk_tree(tokens, logits, tree_parent[node], params, committed, self.num_heads)
         else:
-            c_acc, c_n, c_bonus, c_committed = accept_chain(tokens, logits.argmax(dim=-1), n_fixed)
+            c_acc, c_n, c_bonus, c_committed = accept_chain(given, logits.argmax(dim=-1), n_fixed)
             branch, n_acc, t_bonus = self._greedy_tree(tokens, logits, node, tree_parent, tree_retrieve)
         last = branch.gather(1, n_acc[:, None]).clamp(0, t - 1)  # [B, 1] (clamped: chain rows index garbage)
         width = branch.shape[1]
