@@ -131,6 +131,23 @@ def test_seeded_ragged_batch_equals_the_none_engine_s(method, bundle, model):
     assert any(ragged), f"{method}: no seeded batch had rows accept different counts in a round"
 
 
+def test_a_long_padded_draft_row_draws_its_first_token_as_it_does_alone(bundle):
+    """`draft` verifies with the general rule on the last K + 1 positions only; a row whose padding
+    is longer puts its first new token before that window, where it must still be drawn from p
+    (the residual stream of its position), not taken as the argmax. With no proposal at the
+    prefill, the draw is the one the row makes alone with the same uniforms (row 0 of the seed)."""
+    engine = Engine(bundle("draft"))
+    short, long = [42], list(range(30, 53))  # 22 tokens of padding, K + 1 = 5 positions verified generally
+    firsts, argmax_first = set(), engine.generate([42], 1, False).output_ids[0]
+    for seed in range(12):
+        params = SamplingParams(1.0, 0, 1.0, seed=seed)
+        ragged = engine.generate_batch([short, long], 1, False, params)[0].output_ids[0]
+        alone = engine.generate_batch([short], 1, False, params)[0].output_ids[0]
+        assert ragged == alone, f"seed {seed}: the padded row drew {ragged}, alone {alone}"
+        firsts.add(alone)
+    assert firsts - {argmax_first}, "every draw was the argmax: the check cannot tell a draw from it"
+
+
 def test_bad_batches_are_refused_in_one_line(bundle):
     engine = Engine(bundle("none"))
     too_long = [1] * engine.max_context
