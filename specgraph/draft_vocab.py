@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from specgraph.errors import InputError, ModelLoadError
 
@@ -70,3 +71,46 @@ def check_size(size: int, vocab_size: int) -> int:
     if size < 0 or size > vocab_size:
         raise InputError(f"--draft-vocab must be 0 (the whole vocabulary) or 1..{vocab_size}, got {size}")
     return vocab_size if size == 0 else size
+
+
+DEFAULTS = "Default: medusa 8192 where a token ranking ships for the model (smollm2-135m), else 0; draft 0"
+
+
+def add_flags(group: Any) -> None:
+    """`--draft-vocab` and `--draft-vocab-file`, shared by the methods with a learned readout."""
+    group.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="medusa, draft: the drafter scores only the N most frequent tokens (a reduced draft vocabulary: a "
+        "cheaper readout; drafts outside it are never proposed and the output is unchanged). 0 = the whole "
+        f"vocabulary. {DEFAULTS}",
+    )
+    group.add_argument(
+        "--draft-vocab-file",
+        default=None,
+        help="medusa, draft: the token ranking to take --draft-vocab tokens from (made by scripts/draft_vocab.py); "
+        "default: the one shipped for the model",
+    )
+
+
+def choose(size: int | None, file: str | None, default: int, fingerprint: str | None, vocab: int,
+           model: str) -> tuple[torch.Tensor, dict[str, Any]] | None:  # fmt: skip
+    """The ids a drafter scores (sorted, so ties break by token id as over the whole vocabulary)
+    and what the manifest says of them, or None for the whole vocabulary. `size` None means
+    `default` where a ranking exists, else the whole vocabulary."""
+    found = load_ranking(Path(file), vocab) if file is not None else shipped_ranking(fingerprint, vocab)
+    if size is None:
+        size = min(default, vocab) if found and default else vocab
+    size = check_size(size, vocab)
+    if size == vocab:
+        return None
+    if found is None:
+        raise InputError(f"--draft-vocab {size} needs a token ranking for {model} and none ships for it: "
+                         "make one with scripts/draft_vocab.py and pass --draft-vocab-file")  # fmt: skip
+    ranked, meta = found
+    ids = torch.from_numpy(np.sort(ranked[:size]))
+    measured = {name: table[str(size)] for name, table in meta.get("coverage", {}).items()
+                if isinstance(table, dict) and str(size) in table}  # fmt: skip
+    source = Path(file).name if file is not None else "shipped"
+    return ids, {"size": size, "of": vocab, "ranking": source, "coverage": measured}

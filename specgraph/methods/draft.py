@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from specgraph import sampling
+from specgraph import draft_vocab, sampling
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
 from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
@@ -54,6 +54,8 @@ class DraftOptions(Options):
     draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
     num_draft: int = 4  # K: draft tokens per round
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
+    draft_vocab: int | None = None  # tokens the draft's readout scores; None or 0: all of them
+    draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
 
     def check(self) -> None:
         if not 1 <= self.num_draft <= 16:
@@ -69,7 +71,8 @@ class DraftOptions(Options):
                              f"{DEFAULT_MODEL}, self:int4 or self:int8)")  # fmt: skip
 
     def files(self) -> list[str | Path | None]:
-        return [] if self.draft in SELF else [self.draft]
+        files: list[str | Path | None] = [self.draft_vocab_file]
+        return files + ([] if self.draft in SELF else [self.draft])
 
 
 @dataclass
@@ -81,6 +84,7 @@ class Drafter:
     kv_shapes: list[tuple[int, ...]]
     window: int | None
     name: str
+    vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary: its ids, its report
 
 
 class DraftStepEngine(StepEngine):
@@ -103,6 +107,10 @@ class DraftStepEngine(StepEngine):
         self.draft_outputs = (*kv_names("draft_present", drafter.num_layers), *(f"{n}_out" for n in q))
         # uniforms per position with sampling: 0 accept, 1 residual (or the plain draw), 2 the draft's draw
         self.uniform_streams = 3 if self.sampling else 1
+        # a reduced draft vocabulary (specgraph/draft_vocab.py): the draft's logits index these ids
+        self.vocab_ids: torch.Tensor | None
+        self.register_buffer("vocab_ids", None if drafter.vocab is None else drafter.vocab[0].to(_I64).clone())
+        self.vocab_info = {} if drafter.vocab is None else drafter.vocab[1]
 
     @property
     def extra_slots(self) -> int:  # type: ignore[override]
@@ -141,10 +149,18 @@ class DraftStepEngine(StepEngine):
         """The draft token at positions `at` [B, 1] from the draft's logits [B, 1, V], and its q:
         the argmax (q unused) without sampling, else d ~ q by inverse CDF with draw 2 of `at`."""
         if not self.sampling:
-            return logits.argmax(dim=-1), None
+            return self._token(logits.argmax(dim=-1)), None
         q = torch.ops.specgraph.filtered(logits, *params[:3])  # [B, 1, V]; one-hot at temperature 0
         u = sampling.position_uniforms(params[3], sampling.stream(at, 2, self.uniform_streams))  # [B, 1]
-        return sampling.inverse_cdf(q, u), q
+        d = self._token(sampling.inverse_cdf(q, u))
+        if self.vocab_ids is not None:  # q over the draft vocabulary -> over the target's (0 elsewhere)
+            b, v_d = q.shape[0], q.shape[-1]
+            q = q.new_zeros(b, 1, self.vocab_size).scatter(2, self.vocab_ids[None, None, :].expand(b, 1, v_d), q)
+        return d, q
+
+    def _token(self, index):  # type: ignore[no-untyped-def]
+        """A draft-vocabulary index as the token id (the identity without a reduced vocabulary)."""
+        return index if self.vocab_ids is None else self.vocab_ids[index]
 
     def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
         """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""
@@ -170,6 +186,7 @@ class DraftMethod(Method):
         group.add_argument(
             "--draft-block-size", type=int, help="draft: weights per block for self:int4 / self:int8 (default 32)"
         )
+        draft_vocab.add_flags(group)
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> Drafter:
         from specgraph.anatomy import analyze
@@ -197,7 +214,13 @@ class DraftMethod(Method):
             shapes += [(site.num_kv_heads, site.head_dim, cfg.max_context),
                        (site.num_kv_heads, cfg.max_context, site.head_dim)]  # fmt: skip
         windows = {site.sliding_window for site in draft_anatomy.sites if site.sliding_window}
-        return Drafter(gm, draft_anatomy.num_layers, shapes, windows.pop() if windows else None, opts.draft)
+        from specgraph.methods.medusa.heads import model_fingerprint
+
+        vocab = draft_vocab.choose(opts.draft_vocab, opts.draft_vocab_file, 0, model_fingerprint(loaded),
+                                   anatomy.vocab_size, loaded.name)  # fmt: skip
+        if vocab is not None:
+            _reduce_readout(gm, draft_anatomy.lm_head, vocab[0])
+        return Drafter(gm, draft_anatomy.num_layers, shapes, windows.pop() if windows else None, opts.draft, vocab)
 
     def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
         opts: DraftOptions = cfg.opts
@@ -212,6 +235,8 @@ class DraftMethod(Method):
         from specgraph.exporters.nbits import run_weights_as_blocks
 
         opts: DraftOptions = cfg.opts
+        engine = built.engine
+        assert isinstance(engine, DraftStepEngine)
         section: dict[str, Any] = {"draft": opts.draft, "num_draft": opts.num_draft, "weights": "float32"}
         bits = SELF.get(opts.draft)
         if bits is not None:
@@ -225,7 +250,24 @@ class DraftMethod(Method):
                                   "matmuls": report.matmuls, "float32_bytes": report.float_bytes,
                                   "block_bytes": report.stored_bytes}  # fmt: skip
         summary = f"draft {opts.draft}, {opts.num_draft} tokens per round"
+        if engine.vocab_ids is not None:
+            section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
+            summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
         return Finished(section, draft_depth=opts.num_draft, report={**section, "summary": summary})
+
+
+def _reduce_readout(gm: torch.fx.GraphModule, lm_head: torch.fx.Node, ids: torch.Tensor) -> None:
+    """Make the draft's LM head score only `ids`: its logits become [.., V_d], read out by those
+    rows of its LM head, a weight of their own (the embedding keeps the whole table)."""
+    weight = lm_head.args[1]
+    assert isinstance(weight, torch.fx.Node) and weight.op == "get_attr", "the draft's LM head reads a weight"
+    rows = gm.get_parameter(str(weight.target)).detach()[ids].clone()
+    gm.register_parameter("vocab_head", torch.nn.Parameter(rows, requires_grad=False))  # [V_d, H]
+    with gm.graph.inserting_before(lm_head):
+        reduced = gm.graph.get_attr("vocab_head")
+    lm_head.args = (lm_head.args[0], reduced, *lm_head.args[2:])
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def check_same_tokenizer(target: Any, draft: Any) -> None:

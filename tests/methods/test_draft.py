@@ -164,3 +164,33 @@ def test_tokenizers_must_map_every_string_to_the_same_id(tmp_path):
     check_same_tokenizer(target, Loaded("same", {"<unk>": 0, "a": 1, "b": 2}))
     with pytest.raises(InputError, match="'a' is id 2 in the draft and 1 in the target"):
         check_same_tokenizer(target, Loaded("swapped", {"<unk>": 0, "b": 1, "a": 2}))
+
+
+def test_a_reduced_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(tiny_folder, tmp_path):
+    """`--draft-vocab 64`: the draft's readout scores 64 ranked ids; greedy output still equals HF,
+    every draft (greedy or sampled) is one of the ids, and the carried q is a distribution that is
+    zero outside them."""
+    import numpy as np
+
+    from tests.test_medusa import _ranking
+
+    path, ranked = _ranking(tmp_path)
+    cfg = CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "draft", max_context=160, draft="self:int8",
+                           num_draft=3, draft_vocab=64, draft_vocab_file=str(path))  # fmt: skip
+    compile_model(cfg)
+    engine = Engine(tmp_path / "b")
+    ids = sorted(int(i) for i in ranked[:64])
+    assert engine.manifest["draft"]["draft_vocab"]["ids"] == ids
+    model = build("llama")
+    for prompt in PROMPTS:
+        got = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+        assert_same_greedy(model, prompt, got.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+    from specgraph.sampling import SamplingParams
+
+    for params in (None, SamplingParams(0.9, 0, 1.0, seed=5)):
+        state = engine.new_state(1, params)
+        feeds = engine.first_feeds(np.asarray([PROMPTS[2]], np.int64), len(PROMPTS[2]), 0)
+        out = engine.call(engine.session.io_binding(), feeds, state)
+        assert set(out["next_tokens"].numpy()[0, 1:].tolist()) <= set(ids)
+        q = out["draft_q_out"].numpy()[0]  # [K, V]
+        assert np.allclose(q.sum(-1), 1, atol=1e-5) and not q[:, np.setdiff1d(np.arange(q.shape[1]), ids)].any()

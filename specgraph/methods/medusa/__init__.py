@@ -28,7 +28,8 @@ from specgraph.timing import time_call
 
 TYPICAL = (0.09, 0.3, 0.7)  # Medusa's defaults: posterior threshold, alpha, temperature
 TOPK = 10  # candidates kept per head; tree ranks must be below this
-DRAFT_VOCAB = 8192  # default reduced draft vocabulary where the model has a ranking (docs/benchmarks.md)
+DRAFT_VOCAB = 8192  # default reduced draft vocabulary where the model has a ranking (docs/benchmarks.md;
+# draft_vocab.DEFAULTS says it in --help)
 # The heads that ship with the package, by the fingerprint of the model they were trained for
 # (`heads.model_fingerprint`): any path to that model finds them, whatever its file is called.
 SHIPPED_HEADS = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-medusa4.safetensors"}  # SmolLM2-135M-Instruct
@@ -142,20 +143,7 @@ class MedusaMethod(Method):
             "(list of paths), or 'auto' (best expected tokens/s from the heads' measured acceptance and this "
             "engine's measured verify cost)",
         )
-        group.add_argument(
-            "--draft-vocab",
-            type=int,
-            default=None,
-            help=f"medusa: the heads score only the N most frequent tokens (a reduced draft vocabulary: a cheaper "
-            f"readout; drafts outside it are never proposed and the output is unchanged). 0 = the whole vocabulary. "
-            f"Default: {DRAFT_VOCAB} where a token ranking ships for the model (smollm2-135m), else 0",
-        )
-        group.add_argument(
-            "--draft-vocab-file",
-            default=None,
-            help="medusa: the token ranking to take --draft-vocab tokens from (made by scripts/draft_vocab.py); "
-            "default: the one shipped for the model",
-        )
+        draft_vocab.add_flags(group)
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default 4)")
@@ -193,7 +181,8 @@ class MedusaMethod(Method):
                              f"{loaded.name}: its fingerprint differs; train heads for this model with `specgraph train`")  # fmt: skip
         if options.tree == "auto" and "acceptance" not in meta:
             raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
-        heads.vocab = _draft_vocab(options, fingerprint, anatomy.vocab_size, loaded.name)
+        heads.vocab = draft_vocab.choose(options.draft_vocab, options.draft_vocab_file, DRAFT_VOCAB, fingerprint,
+                                         anatomy.vocab_size, loaded.name)  # fmt: skip
         return heads
 
     def passes(self, options: Any) -> list[Any]:
@@ -258,33 +247,6 @@ def _write_tree(bundle: Path, cfg: Any, engine: MedusaStepEngine, tree: Tree,
             "step: `specgraph bench --reference` gives the speed-up over plain decoding)"
         )
     return Finished(section, tree_inputs(tree, engine.num_heads), tree.depth, {**section, "summary": summary})
-
-
-def _draft_vocab(options: MedusaOptions, fingerprint: str | None, vocab: int,
-                 model: str) -> tuple[torch.Tensor, dict[str, Any]] | None:  # fmt: skip
-    """The ids the heads score (sorted, so ties break by token id as over the whole vocabulary)
-    and what the manifest says of them; None for the whole vocabulary."""
-    found: tuple[np.ndarray, dict[str, Any]] | None
-    if options.draft_vocab_file is not None:
-        found = draft_vocab.load_ranking(Path(options.draft_vocab_file), vocab)
-        source = Path(options.draft_vocab_file).name
-    else:
-        found = draft_vocab.shipped_ranking(fingerprint, vocab)
-        source = "shipped"
-    if options.draft_vocab is None:
-        size = min(DRAFT_VOCAB, vocab) if found else vocab
-    else:
-        size = draft_vocab.check_size(options.draft_vocab, vocab)
-    if size == vocab:
-        return None
-    if found is None:
-        raise InputError(f"--draft-vocab {size} needs a token ranking for {model} and none ships for it: "
-                         "make one with scripts/draft_vocab.py and pass --draft-vocab-file")  # fmt: skip
-    ranked, meta = found
-    ids = torch.from_numpy(np.sort(ranked[:size]))
-    measured = {name: table[str(size)] for name, table in meta.get("coverage", {}).items()
-                if isinstance(table, dict) and str(size) in table}  # fmt: skip
-    return ids, {"size": size, "of": vocab, "ranking": source, "coverage": measured}
 
 
 def tree_inputs(tree: Tree, path_width: int) -> dict[str, np.ndarray]:
