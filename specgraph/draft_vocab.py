@@ -73,7 +73,8 @@ def check_size(size: int, vocab_size: int) -> int:
     return vocab_size if size == 0 else size
 
 
-DEFAULTS = "Default: medusa 8192 where a token ranking ships for the model (smollm2-135m), else 0; draft 0"
+MEDUSA_DEFAULT = 8192  # Medusa's heads where the model has a ranking (docs/benchmarks.md); draft: all tokens
+DEFAULTS = f"Default: medusa {MEDUSA_DEFAULT} where a token ranking ships for the model (smollm2-135m), else 0; draft 0"
 
 
 def add_flags(group: Any) -> None:

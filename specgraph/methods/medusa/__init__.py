@@ -28,8 +28,7 @@ from specgraph.timing import time_call
 
 TYPICAL = (0.09, 0.3, 0.7)  # Medusa's defaults: posterior threshold, alpha, temperature
 TOPK = 10  # candidates kept per head; tree ranks must be below this
-DRAFT_VOCAB = 8192  # default reduced draft vocabulary where the model has a ranking (docs/benchmarks.md;
-# draft_vocab.DEFAULTS says it in --help)
+DRAFT_VOCAB = draft_vocab.MEDUSA_DEFAULT  # the reduced draft vocabulary where the model has a ranking
 # The heads that ship with the package, by the fingerprint of the model they were trained for
 # (`heads.model_fingerprint`): any path to that model finds them, whatever its file is called.
 SHIPPED_HEADS = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-medusa4.safetensors"}  # SmolLM2-135M-Instruct
