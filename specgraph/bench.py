@@ -118,7 +118,7 @@ def _read_records(path_or_name: str, limit: int | None) -> list[tuple[dict[str, 
     return records
 
 
-def _prompt_ids(path_or_name: str, limit: int | None, engine: Engine, chat: bool) -> list[list[int]]:
+def prompt_ids(path_or_name: str, limit: int | None, engine: Engine, chat: bool) -> list[list[int]]:
     """Token ids of each prompt: a line's "prompt_ids" list as it is, else its "prompt" encoded
     with the bundle's tokenizer (through the chat template when `chat` and it has one)."""
     ids: list[list[int]] = []
@@ -292,19 +292,12 @@ def _interleaved_ms(engine: Engine, points: list[tuple[int, int]], repeats: int)
     return {p: statistics.median(t) for p, t in times.items()}
 
 
-def _weight_bytes(engine: Engine) -> int:
-    """Bytes of the bundle's weights: its external data file (the graph file itself if none)."""
-    graph = engine.bundle / engine.manifest["graph"]["file"]
-    data = graph.with_name(graph.name + ".data")
-    return (data if data.is_file() else graph).stat().st_size
-
-
 def _weights(engine: Engine, engine_tps: float, bandwidth_gb_s: float | None) -> dict[str, Any]:
     """The manifest's `weights` section (what is stored, in which formats), the bytes a token
     streams (the weight file: every matrix is read once a step; an untied embedding table, read
     one row a token, is over-counted), and with a measured bandwidth the floor and the ratio to it."""
     section: dict[str, Any] = dict(engine.manifest.get("weights") or {})
-    section["bytes_per_token"] = _weight_bytes(engine)
+    section["bytes_per_token"] = engine.weight_bytes
     if bandwidth_gb_s is not None:
         floor = bandwidth_gb_s * 1e9 / section["bytes_per_token"]
         section.update(
@@ -378,7 +371,7 @@ def run_bench(
     ref = Engine(reference, threads=threads) if reference is not None else None
     if ref is not None and ref.manifest["vocab_size"] != engine.manifest["vocab_size"]:
         raise InputError(f"reference {reference} has a different vocabulary than {bundle}: not the same model")
-    all_ids = _prompt_ids(prompts, limit, engine, chat)
+    all_ids = prompt_ids(prompts, limit, engine, chat)
     room = min(engine.max_context, ref.max_context) if ref is not None else engine.max_context
     runnable = [(i, ids) for i, ids in enumerate(all_ids) if 0 < len(ids) < room]
     if not runnable:
@@ -409,7 +402,7 @@ def run_bench(
             "max_context": engine.max_context,
             "sampling": params.as_dict(),
         },
-        "environment": _environment(),
+        "environment": environment(),
         "skipped_prompts": [i for i, ids in enumerate(all_ids) if not 0 < len(ids) < room],
         "per_prompt": [_row(i, run) for (i, _), run in zip(runnable, runs, strict=True)],
         "aggregate": _aggregate(runs, wall_s, engine.draft_depth),
@@ -581,7 +574,7 @@ def acceptance_by_depth(counts: list[int], max_depth: int | None = None) -> list
     return rates
 
 
-def _environment() -> dict[str, Any]:
+def environment() -> dict[str, Any]:
     import os
     import platform
 

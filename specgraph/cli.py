@@ -210,6 +210,52 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at --json or --plot"))
     _add_sampling_flags(b)
 
+    a = sub.add_parser(
+        "advise",
+        help="measure on your prompts whether speculation pays, which method, and when it does not",
+        description=(
+            "Compare speculative methods with plain decoding on your prompts and machine. Each prompt set is split "
+            "alternately: the calibration half measures each method's tokens per call and call costs (at every batch "
+            "size of a sweep), from which the speed-ups are predicted; the held-out half measures them. Prints one "
+            "recommendation per prompt set and batch size (which may be none), the warnings (the batch size and reply "
+            "length from which speculation stops paying, prompt sets with too little acceptance, memory), and "
+            "predicted against measured for every cell. TARGET is a model to compile the bundles from (into "
+            "--bundles) or the bundles themselves: one none bundle and one per method, of the same model."
+        ),
+    )
+    a.add_argument("targets", nargs="+", metavar="TARGET", help="a model (file, folder or 'smollm2-135m') or bundles")
+    a.add_argument(
+        "--prompts", required=True, help="comma-separated prompt sets: JSONL files, or humaneval|chat|creative|repeat"
+    )
+    a.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated methods to compare with none (default: every bundle given; for a model: lookup,medusa)",
+    )
+    a.add_argument("--batch", default="1,4", help="comma-separated batch sizes to predict and measure (default 1,4)")
+    a.add_argument("--max-new-tokens", type=_positive, default=64, help="reply length per prompt (default 64)")
+    a.add_argument("--limit", type=_positive, default=None, help="use only the first N prompts of each set")
+    a.add_argument("--threads", type=_positive, default=2, help="ONNX Runtime threads (default 2)")
+    a.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
+    a.add_argument(
+        "--bundles",
+        type=Path,
+        default=Path("out/advise"),
+        help="where bundles compiled from a model go, one folder per method, reused when already there "
+        "(default out/advise)",
+    )
+    a.add_argument(
+        "--memory-mb",
+        type=float,
+        default=None,
+        help="memory to plan for, in MB (default: what this machine has available now)",
+    )
+    a.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the full report as JSON to OUT")
+    a.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                   help="write a PNG of predicted against measured and the two crossovers to exactly this path")  # fmt: skip
+    a.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at --json or --plot"))
+    _add_sampling_flags(a)
+
     trainable = [m for m in methods.REGISTRY.values() if m.trains]
     t = sub.add_parser(
         "train",
@@ -442,6 +488,48 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        return [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise InputError(f"--batch takes comma-separated integers, got {text!r}") from None
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    from specgraph.advise import Settings, run_advise
+    from specgraph.advise.bundles import parse_methods, resolve
+    from specgraph.advise.report import format_report, plot_advice
+    from specgraph.bench import bench_inputs
+    from specgraph.compiler import CompileConfig, compile_model
+    from specgraph.outputs import ADVICE_JSON, check_distinct, check_output, write_file
+    from specgraph.plot import check_plot_path
+    from specgraph.sampling import SamplingParams
+
+    sets = [p for p in args.prompts.split(",") if p]
+    settings = Settings(sets, _batch_sizes(args.batch), args.max_new_tokens, args.limit, args.threads,
+                        not args.no_chat, memory_mb=args.memory_mb,
+                        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)).check()  # fmt: skip
+    wanted = parse_methods(args.methods)
+    inputs = [*bench_inputs(args.targets[0], sets), *args.targets]
+    json_out = check_output(args.json, ADVICE_JSON, inputs, args.force) if args.json else None
+    plot_out = check_plot_path(args.plot, inputs, args.force) if args.plot else None
+    check_distinct(json_out, plot_out)
+
+    def compile_one(model: str, method: str, path: Path) -> None:
+        print(f"compiling {model} with --method {method} into {path}", file=sys.stderr, flush=True)
+        compile_model(CompileConfig.of(model, path, method))
+
+    bundles = resolve(args.targets, wanted, args.bundles, compile_one)
+    report = run_advise(bundles, settings)
+    print(format_report(report))
+    if json_out:
+        text = json.dumps(report, indent=2) + "\n"
+        write_file(json_out, lambda tmp: tmp.write_text(text), ADVICE_JSON, inputs, args.force)
+    if plot_out:
+        print(f"plot: {plot_advice(report, plot_out, inputs, args.force)}")
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from specgraph import methods
 
@@ -469,8 +557,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"compile": _cmd_compile, "generate": _cmd_generate, "bench": _cmd_bench, "train": _cmd_train,
-             "inspect": _cmd_inspect}  # fmt: skip
+_COMMANDS = {"compile": _cmd_compile, "generate": _cmd_generate, "bench": _cmd_bench, "advise": _cmd_advise,
+             "train": _cmd_train, "inspect": _cmd_inspect}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

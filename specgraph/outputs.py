@@ -1,15 +1,16 @@
 """Where specgraph writes: it replaces only what it made, atomically, and never its own input.
 
 Every command and API call that writes (`compile`'s bundle, `train`'s heads file and generation
-cache, `bench`'s JSON report and plot) calls `check_output` before its long work starts and
-`replace_dir` / `write_file` at the end, which check again. The rule:
+cache, `bench`'s and `advise`'s JSON reports and plots) calls `check_output` before its long
+work starts and `replace_dir` / `write_file` at the end, which check again. The rule:
 
 - a path that does not exist is fine; missing parent folders are created when writing;
 - an existing path is replaced only if specgraph made it, as this kind of output (`_NOT_OURS`): a
   bundle folder whose manifest.json has a `format_version` and lists every file in the folder; a
   heads file whose safetensors header carries specgraph's format; a bench report (JSON with
-  `aggregate` and `per_prompt`, or `sets`); a bench plot (PNG whose Software text names
-  specgraph); train's generation cache (JSON with `key` and `sequences`);
+  `aggregate` and `per_prompt`, or `sets`); an advise report (JSON with `advice` and `sets`); a
+  bench or advise plot (PNG whose Software text names the command); train's generation cache
+  (JSON with `key` and `sequences`);
 - an empty folder may receive a bundle;
 - `force` also replaces an existing folder (bundle) or file (the file outputs) that specgraph did
   not make;
@@ -38,6 +39,7 @@ from specgraph.errors import OutputError
 BUNDLE = "bundle"  # a folder
 HEADS = "heads file"
 BENCH_JSON = "bench report"
+ADVICE_JSON = "advice report"
 PLOT = "plot"
 GEN_CACHE = "generation cache"
 _FOLDERS = (BUNDLE,)
@@ -45,6 +47,7 @@ _MAX_READ = 64 << 20  # a file specgraph made is far smaller; anything larger is
 _MAX_ENTRIES = 10_000  # a bundle holds a handful of files
 _PNG = b"\x89PNG\r\n\x1a\n"
 PLOT_SOFTWARE = "specgraph bench"  # the PNG Software text that marks a plot as ours
+_PLOT_MARKS = (PLOT_SOFTWARE, "specgraph advise")  # bench's plots and advise's
 
 Inputs = Iterable[str | Path | None]
 
@@ -217,15 +220,22 @@ def _bench_json(path: Path) -> str | None:
     return "not a report written by specgraph bench"
 
 
+def _advice_json(path: Path) -> str | None:
+    data = _json(path)
+    if isinstance(data, dict) and "advice" in data and "sets" in data:
+        return None
+    return "not a report written by specgraph advise"
+
+
 def _plot(path: Path) -> str | None:
     try:
         with path.open("rb") as f:
             head = f.read(1 << 16)
     except OSError:
         head = b""
-    if head.startswith(_PNG) and b"tEXtSoftware\x00" + PLOT_SOFTWARE.encode() in head:
+    if head.startswith(_PNG) and any(b"tEXtSoftware\x00" + mark.encode() in head for mark in _PLOT_MARKS):
         return None
-    return "not a plot written by specgraph bench"
+    return "not a plot written by specgraph bench or advise"
 
 
 def _gen_cache(path: Path) -> str | None:
@@ -249,6 +259,7 @@ _NOT_OURS: dict[str, Callable[[Path], str | None]] = {
     BUNDLE: _bundle,
     HEADS: _heads,
     BENCH_JSON: _bench_json,
+    ADVICE_JSON: _advice_json,
     PLOT: _plot,
     GEN_CACHE: _gen_cache,
 }

@@ -205,6 +205,18 @@ class Engine:
         return feeds
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the bundle's weights: its external data file (the graph file itself if none)."""
+        graph = self.bundle / self.manifest["graph"]["file"]
+        data = graph.with_name(graph.name + ".data")
+        return (data if data.is_file() else graph).stat().st_size
+
+    @property
+    def state_bytes_per_row(self) -> int:
+        """Bytes of the in-place state (KV caches, a drafter's cache) that one batch row holds."""
+        return sum(4 * int(np.prod(v["shape"][1:])) for v in self._buffers)
+
+    @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             tok_dir = self.manifest.get("tokenizer")

@@ -193,7 +193,7 @@ def test_fuzzed_prompt_files_end_in_success_or_one_line(tiny_bundle, tmp_path: P
         ("read_prompts", bench.read_prompts),
         (
             "prompt_ids+generate",
-            lambda p: [engine.generate(ids, max_new_tokens=1) for ids in bench._prompt_ids(p, None, engine, False)],
+            lambda p: [engine.generate(ids, max_new_tokens=1) for ids in bench.prompt_ids(p, None, engine, False)],
         ),  # fmt: skip
     ]
     outcomes = {"ok": 0, "refused": 0}
