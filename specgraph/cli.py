@@ -109,12 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="folder"))
     from specgraph import methods
+    from specgraph.advise.bundles import default_methods
 
     c.add_argument(
         "--method",
         default="none",
-        choices=methods.names(),
+        choices=[*methods.names(), "auto"],
         help="; ".join(f"{m.name}: {m.summary}" for m in methods.REGISTRY.values())
+        + "; auto: compile none and each of "
+        + ",".join(default_methods())
+        + ", run `specgraph advise` on --prompts at batch 1 and keep the one that measured fastest"
         + " (lossless: greedy, or sampled with the target's exact law, unless a flag says otherwise)",
     )
     c.add_argument(
@@ -149,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the compile report as JSON")
     for method in methods.REGISTRY.values():
         method.add_flags(_MethodFlags(c, c.add_argument_group(f"--method {method.name}")))
+    auto = c.add_argument_group("--method auto")
+    auto.add_argument("--prompts", default=None,
+                      help="auto: comma-separated prompt sets to choose on, like your traffic (JSONL files, or "
+                      "humaneval|chat|creative|repeat; default chat)")  # fmt: skip
+    auto.add_argument(
+        "--limit", type=_positive, default=None, help="auto: prompts per set, half to calibrate (default 8)"
+    )
+    auto.add_argument("--candidates", type=Path, default=None,
+                      help="auto: where the candidate bundles go, one folder per method, reused when already there "
+                      "with the same settings (default out/advise)")  # fmt: skip
 
     g = sub.add_parser(
         "generate",
@@ -230,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--methods",
         default=None,
-        help="comma-separated methods to compare with none (default: every bundle given; for a model: lookup,medusa)",
+        help="comma-separated methods to compare with none (default: every bundle given; for a model: "
+        + ",".join(default_methods())
+        + ")",
     )
     a.add_argument("--batch", default="1,4", help="comma-separated batch sizes to predict and measure (default 1,4)")
     a.add_argument("--max-new-tokens", type=_positive, default=64, help="reply length per prompt (default 64)")
@@ -297,13 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from specgraph import methods
     from specgraph.compiler import CompileConfig, compile_model, passes_for
 
     shared = dict(max_context=args.max_context, emit_logits=args.emit_logits, sampling=not args.no_sampling,
                   force=args.force, weights=args.weights, activations=args.activations,
                   block_size=args.block_size)  # fmt: skip
-    cfg = CompileConfig.of(args.model, args.output, args.method, **shared, **_method_flags(args, methods))
+    if args.method == "auto":
+        return _compile_auto(args, shared)
+    for name in _AUTO_FLAGS:
+        if getattr(args, name) is not None:
+            raise InputError(f"--{name} is a --method auto option; it does nothing with --method {args.method}")
+    cfg = CompileConfig.of(args.model, args.output, args.method, **shared, **_method_flags(args))
     cfg.check()
     stages = ["load", "capture", "anatomy", *(p.__name__ for p in passes_for(cfg.spec, cfg.opts)), "export onnx"]
     stages += ["index stored blocks", "store weights as blocks", *cfg.spec.stages(cfg.opts)]
@@ -337,6 +357,36 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+_AUTO_FLAGS = ("prompts", "limit", "candidates")
+
+
+def _compile_auto(args: argparse.Namespace, shared: dict[str, Any]) -> int:
+    from specgraph.advise import Settings
+    from specgraph.advise.auto import compile_auto
+    from specgraph.compiler import CompileConfig, compile_model
+
+    _method_flags(args)  # a method's own flag does nothing here: refuse it
+    prompts = args.prompts or "chat"
+    settings = Settings([p for p in prompts.split(",") if p], [1], limit=args.limit or 8).check()
+    force = shared.pop("force")
+
+    def compile_one(model: str, method: str, path: Path, options: dict[str, Any]) -> None:
+        print(f"compiling candidate {method} into {path}", file=sys.stderr, flush=True)
+        compile_model(CompileConfig.of(model, path, method, **options))
+
+    candidates = args.candidates or Path("out/advise")
+    method, report = compile_auto(args.model, args.output, candidates, settings, compile_one, shared, force)
+    if args.json:
+        print(json.dumps({"bundle": str(args.output), "method": method, "advice": report}, indent=2))
+        return 0
+    for method_left_out, why in report["skipped"].items():
+        print(f"left out {method_left_out}: {why}")
+    for r in report["recommendations"]:
+        print(f"{r['prompts']}: {r['reason']}; measured {r['measured']:.2f}x")
+    print(f"compiled {args.model} -> {args.output} (method {method}, the fastest measured on {prompts})")
+    return 0
+
+
 class _MethodFlags:
     """The argument group a method adds its flags to. A flag is absent from the parsed namespace
     unless given (the method's options dataclass holds the defaults), and methods may share a
@@ -351,10 +401,13 @@ class _MethodFlags:
         self.group.add_argument(*names, **{**kwargs, "default": argparse.SUPPRESS})
 
 
-def _method_flags(args: argparse.Namespace, methods: Any) -> dict[str, Any]:
+def _method_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The chosen method's options from the flags given. A flag only another method takes is an
     error: it would do nothing, and the user meant something by it."""
-    mine = {f.name for f in dataclasses.fields(methods.get(args.method).options_type)}
+    from specgraph import methods
+
+    chosen = None if args.method == "auto" else methods.get(args.method).options_type
+    mine = {f.name for f in dataclasses.fields(chosen)} if chosen else set()
     for other in methods.REGISTRY.values():
         for f in dataclasses.fields(other.options_type):
             if f.name not in mine and hasattr(args, f.name):
@@ -515,11 +568,14 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     plot_out = check_plot_path(args.plot, inputs, args.force) if args.plot else None
     check_distinct(json_out, plot_out)
 
-    def compile_one(model: str, method: str, path: Path) -> None:
+    def compile_one(model: str, method: str, path: Path, options: dict[str, Any]) -> None:
         print(f"compiling {model} with --method {method} into {path}", file=sys.stderr, flush=True)
-        compile_model(CompileConfig.of(model, path, method))
+        compile_model(CompileConfig.of(model, path, method, **options))
 
-    bundles = resolve(args.targets, wanted, args.bundles, compile_one)
+    def skipped(method: str, why: str) -> None:
+        print(f"leaving out {method}: {why}", file=sys.stderr, flush=True)
+
+    bundles = resolve(args.targets, wanted, args.bundles, compile_one, skipped=skipped)
     report = run_advise(bundles, settings)
     print(format_report(report))
     if json_out:

@@ -14,10 +14,12 @@ import pytest
 
 from specgraph.advise import Settings, run_advise
 from specgraph.advise import predict as p
+from specgraph.advise.auto import compile_auto, pick
 from specgraph.advise.bundles import parse_methods, resolve
 from specgraph.advise.report import format_report
 from specgraph.cli import main
 from specgraph.errors import InputError
+from specgraph.runtime import Engine
 from tests.test_outputs import one_line_error
 
 
@@ -166,44 +168,53 @@ def test_advise_cli_writes_json_and_plot(tiny_bundle, ids_file, tmp_path, capsys
 # --- bad input -----------------------------------------------------------------------------------
 
 
-def _advise(tiny_bundle, *extra: str) -> list[str]:
-    return ["advise", str(tiny_bundle("llama", "none")), str(tiny_bundle("llama", "lookup")), *extra]
+@pytest.fixture
+def pair(tiny_bundle, capsys) -> list[str]:
+    """The tiny none and lookup bundles, built before a test reads stderr (building prints)."""
+    bundles = [
+        str(tiny_bundle("llama", "none")),
+        str(tiny_bundle("llama", "lookup")),
+        str(tiny_bundle("qwen2", "lookup")),
+    ]
+    capsys.readouterr()
+    return bundles
+
+
+def _advise(pair: list[str], *extra: str) -> list[str]:
+    return ["advise", *pair[:2], *extra]
 
 
 @pytest.mark.parametrize("content, needle", [("", "holds no prompts"), ("{not json\n", "not a JSON object")])
-def test_bad_prompt_files(tiny_bundle, tmp_path, capsys, content, needle):
+def test_bad_prompt_files(pair, tmp_path, capsys, content, needle):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    one_line_error(capsys, _advise(tiny_bundle, "--prompts", str(bad)), needle, within=None)
+    one_line_error(capsys, _advise(pair, "--prompts", str(bad)), needle, within=None)
 
 
-def test_one_prompt_is_too_few(tiny_bundle, tmp_path, capsys):
+def test_one_prompt_is_too_few(pair, tmp_path, capsys):
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
-    one_line_error(capsys, _advise(tiny_bundle, "--prompts", str(one)), "at least 2 prompts", within=None)
+    one_line_error(capsys, _advise(pair, "--prompts", str(one)), "at least 2 prompts", within=None)
 
 
-def test_unknown_method_and_bad_batches(tiny_bundle, ids_file, capsys):
-    one_line_error(capsys, _advise(tiny_bundle, "--prompts", str(ids_file), "--methods", "lookup,eagle"),
+def test_unknown_method_and_bad_batches(pair, ids_file, capsys):
+    one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--methods", "lookup,eagle"),
                    "unknown method 'eagle'")  # fmt: skip
-    one_line_error(capsys, _advise(tiny_bundle, "--prompts", str(ids_file), "--batch", "1,65"), "1 to 64")
-    one_line_error(capsys, _advise(tiny_bundle, "--prompts", str(ids_file), "--batch", "0"), "1 to 64")
-    one_line_error(capsys, _advise(tiny_bundle, "--prompts", str(ids_file), "--batch", "four"), "integers")
-    one_line_error(capsys, _advise(tiny_bundle, "--prompts", str(ids_file), "--methods", "medusa"),
+    one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--batch", "1,65"), "1 to 64")
+    one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--batch", "0"), "1 to 64")
+    one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--batch", "four"), "integers")
+    one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--methods", "medusa"),
                    "no bundle for method medusa")  # fmt: skip
 
 
-def test_a_bundle_of_another_model(tiny_bundle, ids_file, capsys):
-    argv = ["advise", str(tiny_bundle("llama", "none")), str(tiny_bundle("qwen2", "lookup")), "--prompts",
-            str(ids_file)]  # fmt: skip
+def test_a_bundle_of_another_model(pair, ids_file, capsys):
+    argv = ["advise", pair[0], pair[2], "--prompts", str(ids_file)]
     one_line_error(capsys, argv, "another model", within=None)
 
 
-def test_no_none_bundle_and_none_alone(tiny_bundle, ids_file, capsys):
-    one_line_error(capsys, ["advise", str(tiny_bundle("llama", "lookup")), "--prompts", str(ids_file)],
-                   "no `none` bundle", within=None)  # fmt: skip
-    one_line_error(capsys, ["advise", str(tiny_bundle("llama", "none")), "--prompts", str(ids_file)],
-                   "only a `none` bundle", within=None)  # fmt: skip
+def test_no_none_bundle_and_none_alone(pair, ids_file, capsys):
+    one_line_error(capsys, ["advise", pair[1], "--prompts", str(ids_file)], "no `none` bundle", within=None)
+    one_line_error(capsys, ["advise", pair[0], "--prompts", str(ids_file)], "only a `none` bundle", within=None)
 
 
 def test_parse_methods_and_resolve_compiles_only_what_is_missing(tmp_path, tiny_bundle):
@@ -211,12 +222,70 @@ def test_parse_methods_and_resolve_compiles_only_what_is_missing(tmp_path, tiny_
     assert parse_methods("lookup,none,lookup") == ["lookup"]
     with pytest.raises(InputError, match="only none"):
         parse_methods("none")
-    made: list[tuple[str, str, Path]] = []
+    made: list[tuple[str, str, Path, dict]] = []
     given = tiny_bundle("llama", "none")
     bundles = resolve(["model-x", str(given)], ["lookup"], tmp_path / "b", lambda *a: made.append(a))
     assert bundles == [given, tmp_path / "b" / "lookup"]
-    assert [m for _, m, _ in made] == ["lookup"]  # none was given: only lookup is compiled
+    assert [m for _, m, _, _ in made] == ["lookup"]  # none was given: only lookup is compiled
+    resolve(["model-x"], None, tmp_path / "c", lambda *a: made.append(a))
+    assert [(m, o) for _, m, _, o in made[1:]] == [("none", {}), ("lookup", {}), ("medusa", {})]
     with pytest.raises(InputError, match="one model"):
         resolve(["a", "b"], None, tmp_path, lambda *a: None)
     with pytest.raises(InputError, match="--draft MODEL"):
         resolve(["model-x"], ["draft"], tmp_path, lambda *a: None)
+
+
+# --- compile --method auto -----------------------------------------------------------------------
+
+
+def test_pick_takes_the_best_geometric_mean_of_measured_speedups():
+    def report(cells: list[tuple[str, str, int, float]]) -> dict:
+        sets: dict = {}
+        for name, method, batch, measured in cells:
+            sets.setdefault(name, {"cells": []})["cells"].append(
+                {"method": method, "batch": batch, "measured": measured}
+            )
+        return {"sets": sets}
+
+    # lookup gains 1.5x on code but loses 0.6x on chat (geomean 0.95): medusa's 1.05 and 1.0 win
+    cells = [("code", "lookup", 1, 1.5), ("chat", "lookup", 1, 0.6), ("code", "medusa", 1, 1.05),
+             ("chat", "medusa", 1, 1.0), ("code", "lookup", 4, 9.0)]  # fmt: skip
+    assert pick(report(cells)) == "medusa"
+    assert pick(report([("chat", "lookup", 1, 0.9), ("chat", "medusa", 1, 0.8)])) == "none"
+
+
+def test_compile_auto_compiles_the_candidates_and_keeps_the_fastest(tiny_folder, ids_file, tmp_path):
+    from specgraph.compiler import CompileConfig, compile_model
+
+    made: list[str] = []
+
+    def compile_one(model: str, method: str, path: Path, options: dict) -> None:
+        made.append(method)
+        compile_model(CompileConfig.of(model, path, method, **options))
+
+    settings = Settings([str(ids_file)], [1], max_new_tokens=6, threads=1, repeats=1)
+    out, candidates = tmp_path / "engine", tmp_path / "candidates"
+    method, report = compile_auto(str(tiny_folder("llama")), out, candidates, settings, compile_one,
+                                  {"max_context": 160}, progress=False)  # fmt: skip
+    assert made == ["none", "lookup", "medusa"]
+    assert "--heads" in report["skipped"]["medusa"]  # no shipped heads for the tiny model: left out
+    assert method == pick(report) and method in ("none", "lookup")
+    engine = Engine(out)
+    assert engine.method == method
+    assert (
+        engine.generate(PROMPTS[0], max_new_tokens=6).output_ids
+        == Engine(candidates / "none").generate(PROMPTS[0], max_new_tokens=6).output_ids
+    )
+    made.clear()
+    compile_auto(str(tiny_folder("llama")), out, candidates, settings, compile_one, {"max_context": 160},
+                 progress=False)  # fmt: skip
+    assert made == ["medusa"]  # none and lookup reused (same settings); out was ours, so replaced
+
+
+def test_auto_flags_belong_to_auto(tiny_folder, tmp_path, capsys):
+    folder = str(tiny_folder("llama"))
+    capsys.readouterr()
+    argv = ["compile", folder, "-o", str(tmp_path / "b"), "--method", "lookup", "--prompts", "chat"]
+    one_line_error(capsys, argv, "--prompts is a --method auto option")
+    argv = ["compile", folder, "-o", str(tmp_path / "b"), "--method", "auto", "--num-draft", "3"]
+    one_line_error(capsys, argv, "--num-draft is a --method lookup option")

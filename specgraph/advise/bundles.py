@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from specgraph import methods
+from specgraph.compiler import CompileConfig
 from specgraph.errors import InputError
 from specgraph.loaders import source_path
 
-DEFAULT_METHODS = ("lookup", "medusa")  # compiled from a model when --methods is not given
-_NEEDS_INPUT = {"draft": "--draft MODEL"}  # methods that cannot be compiled from the target alone
+Compile = Callable[[str, str, Path, dict[str, Any]], None]  # (model, method, bundle, the method's options)
+
+
+def default_methods() -> list[str]:
+    """What `advise MODEL` compiles when --methods is not given: every method that says it is advised."""
+    return [m.name for m in methods.REGISTRY.values() if m.advised is not None]
 
 
 def parse_methods(text: str | None) -> list[str] | None:
@@ -28,7 +35,7 @@ def parse_methods(text: str | None) -> list[str] | None:
     return [n for n in dict.fromkeys(names) if n != "none"]
 
 
-def _manifest(path: Path) -> dict[str, object] | None:
+def _manifest(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -36,13 +43,16 @@ def _manifest(path: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
-def resolve(targets: list[str], wanted: list[str] | None, folder: Path,
-            compile_one: Callable[[str, str, Path], None]) -> list[Path]:  # fmt: skip
+def resolve(targets: list[str], wanted: list[str] | None, folder: Path, compile_one: Compile,
+            shared: dict[str, Any] | None = None, skipped: Callable[[str, str], None] | None = None) -> list[Path]:  # fmt: skip
     """The bundles to compare. Each target is a bundle folder or a model. Bundles are used as
     they are (only the methods in `wanted`, and `none`, when it is given). A model gets a bundle
-    per method (`none` and `wanted`, by default lookup and medusa) in `folder/METHOD`: one already
-    there, compiled from the same model for that method, is reused; otherwise `compile_one(model,
-    method, path)` makes it."""
+    per method (`none` and `wanted`, by default `default_methods()`) in `folder/METHOD`: one
+    already there, compiled from the same model for that method with the same `shared` settings
+    (max_context, weights, activations), is reused; otherwise `compile_one(model, method, path,
+    options)` makes it, with the method's `advised` options. A default method that cannot be
+    compiled for this model (Medusa without heads for it) is left out, and `skipped(method, why)`
+    told; a method asked for by name fails with its own error."""
     bundles = [Path(t) for t in targets if _manifest(Path(t)) is not None]
     models = [t for t in targets if _manifest(Path(t)) is None]
     if len(models) > 1:
@@ -50,29 +60,41 @@ def resolve(targets: list[str], wanted: list[str] | None, folder: Path,
     if wanted is not None:
         keep = {"none", *wanted}
         bundles = [b for b in bundles if (_manifest(b) or {}).get("method") in keep]
+    have = {(_manifest(b) or {}).get("method") for b in bundles}
     if not models:
-        have = {(_manifest(b) or {}).get("method") for b in bundles}
         missing = [m for m in (wanted or []) if m not in have]
         if missing:
             raise InputError(f"no bundle for method {missing[0]}: give one, or a model to compile it from")
         return bundles
-    model = models[0]
-    have = {(_manifest(b) or {}).get("method") for b in bundles}
     out = list(bundles)
-    for method in ["none", *(wanted if wanted is not None else DEFAULT_METHODS)]:
+    for method in ["none", *(wanted if wanted is not None else default_methods())]:
         if method in have:
             continue
-        if method in _NEEDS_INPUT:
-            raise InputError(f"--method {method} needs {_NEEDS_INPUT[method]}: compile its bundle yourself and give it")
+        spec = methods.get(method)
+        if spec.needs:
+            raise InputError(f"--method {method} needs {spec.needs}: compile its bundle yourself and give it")
         path = folder / method
-        found = _manifest(path)
-        source = (found or {}).get("source")
-        if not (
-            found
-            and found.get("method") == method
-            and isinstance(source, dict)
-            and source.get("path") == source_path(model)
-        ):
-            compile_one(model, method, path)
+        if not _reusable(_manifest(path), models[0], method, shared or {}):
+            try:
+                compile_one(models[0], method, path, {**(shared or {}), **(spec.advised or {})})
+            except InputError as exc:
+                if wanted is not None or method == "none":
+                    raise
+                if skipped is not None:
+                    skipped(method, str(exc))
+                continue
         out.append(path)
     return out
+
+
+def _reusable(found: dict[str, Any] | None, model: str, method: str, shared: dict[str, Any]) -> bool:
+    """Whether a bundle already in the folder is this model, method and settings."""
+    if not found or found.get("method") != method:
+        return False
+    source, weights = found.get("source"), found.get("weights")
+    if not isinstance(source, dict) or source.get("path") != source_path(model) or not isinstance(weights, dict):
+        return False
+    wanted = {f.name: f.default for f in dataclasses.fields(CompileConfig)} | shared
+    have = {"max_context": found.get("max_context"), "weights": weights.get("weights"),
+            "activations": weights.get("activations")}  # fmt: skip
+    return all(have[k] == wanted[k] for k in have)

@@ -77,6 +77,10 @@ class Method:
     speculative: ClassVar[bool] = True  # verifies drafts (False only for plain decoding)
     options_type: ClassVar[type[Options]] = Options
     trains: ClassVar[bool] = False  # `specgraph train --method NAME` trains its drafter
+    # `specgraph advise MODEL` compiles it with these options unless --methods says otherwise;
+    # None: not by default (it needs more than the target, or is the baseline)
+    advised: ClassVar[dict[str, Any] | None] = None
+    needs: ClassVar[str | None] = None  # a flag without which it cannot be compiled from the target alone
 
     def add_flags(self, group: Any) -> None:
         """Add this method's `specgraph compile` flags (destinations = `options_type` fields)."""

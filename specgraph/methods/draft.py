@@ -174,6 +174,7 @@ class DraftStepEngine(StepEngine):
 class DraftMethod(Method):
     name = "draft"
     summary = "a draft model (another model with the same tokenizer, or self:int4 / self:int8) proposes K tokens"
+    needs = "--draft MODEL"
     options_type = DraftOptions
 
     def add_flags(self, group: Any) -> None:

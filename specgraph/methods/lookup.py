@@ -54,6 +54,7 @@ class LookupStepEngine(StepEngine):
 class LookupMethod(Method):
     name = "lookup"
     summary = "prompt-lookup drafting: copies what followed the last n-gram earlier in the text"
+    advised = {}
     options_type = LookupOptions
 
     def add_flags(self, group: Any) -> None:

@@ -118,6 +118,7 @@ class MedusaStepEngine(TreeStepEngine):
 class MedusaMethod(Method):
     name = "medusa"
     summary = "Medusa heads propose a candidate tree, verified in one call"
+    advised = {}
     options_type = MedusaOptions
     trains = True
 
