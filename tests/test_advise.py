@@ -81,8 +81,13 @@ def test_identical_prompts_predict_the_same_speedup_at_every_batch_for_equal_cos
         assert p.speedup(none, method, 2.0, 3.0, batch) == pytest.approx(40 / (math.ceil(40 / 3) * 1.5))
 
 
-def test_scaled_step_time_follows_the_timed_ratio():
-    assert p.scaled_step_s(0.02, {1: 0.010, 4: 0.025}, 4) == pytest.approx(0.05)
+def test_scaled_step_time_follows_the_timed_ratio_from_the_nearest_measured_batch():
+    timed = {1: 0.010, 2: 0.014, 4: 0.025, 8: 0.050}
+    assert p.scaled_step_s({1: 0.02}, timed, 4) == pytest.approx(0.05)
+    measured = {1: 0.02, 4: 0.06}  # at batch 4 the calls were wider than the 1-row mean suggests
+    assert p.scaled_step_s(measured, timed, 2) == pytest.approx(0.028)
+    assert p.scaled_step_s(measured, timed, 4) == pytest.approx(0.06)
+    assert p.scaled_step_s(measured, timed, 8) == pytest.approx(0.12)
 
 
 def test_prefill_makes_short_replies_not_pay():

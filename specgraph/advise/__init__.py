@@ -26,13 +26,14 @@ from tqdm import tqdm
 
 from specgraph.advise import measure, predict
 from specgraph.advise.predict import Calibration
-from specgraph.bench import acceptance_by_depth, environment, prompt_ids
+from specgraph.bench import acceptance_by_depth, environment, prompt_ids, verify_cost_curve
 from specgraph.errors import InputError
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams
 
 FORMAT = 1  # the report's "advice" marker: what `specgraph.outputs` recognises as ours
 SWEEP = (1, 2, 4, 8, 16, 32)  # batch sizes of the predicted crossover curve
+VERIFY_NS = (1, 2, 4, 8, 16)  # c(N)/c(1) of the none engine, at each asked batch size
 REPLIES = (2, 4, 8, 16, 32, 64)  # reply lengths of the end-to-end curve (those <= --max-new-tokens)
 WITHIN = 0.15  # a prediction is good when within 15% of the measurement
 NEAR_BEST = 0.05  # a recommendation is right when within 5% of the measured fastest
@@ -48,7 +49,7 @@ class Settings:
     limit: int | None = None
     threads: int = 2
     chat: bool = True
-    repeats: int = 5  # timed calls per (engine, batch) point
+    repeats: int = 3  # timed calls per (engine, batch) point
     memory_mb: float | None = None  # the memory to plan for; None = what the system has available now
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
@@ -126,7 +127,8 @@ def _split(name: str, ids: list[list[int]], engine: Engine, s: Settings) -> tupl
 def _work(engines: int, cal: int, held: int, batches: list[int], sizes: list[int], repeats: int, replies: int) -> int:
     """Progress-bar units of one prompt set: one per generate call or timed call."""
     held_runs = sum(-(-held // b) for b in batches) * engines
-    return cal * engines + repeats * engines * len(sizes) + held_runs + replies * held * 2
+    cal_runs = (cal + sum(-(-cal // b) for b in batches if b > 1)) * engines
+    return cal_runs + repeats * engines * len(sizes) + len(batches) + held_runs + replies * held * 2
 
 
 def _warm_up(engines: dict[str, Engine], prompt: list[int], s: Settings) -> None:
@@ -138,14 +140,21 @@ def _warm_up(engines: dict[str, Engine], prompt: list[int], s: Settings) -> None
 def _advise_set(engines: dict[str, Engine], cal: list[list[int]], held: list[list[int]], s: Settings,
                 sizes: list[int], replies: list[int], bar: Any) -> dict[str, Any]:  # fmt: skip
     """Calibration, predictions and held-out measurements for one prompt set."""
-    tick = lambda: bar.update(1)  # noqa: E731
+    tick = lambda n=1: bar.update(n)  # noqa: E731
     methods = [name for name in engines if name != "none"]
     cals = {m: Calibration(measure.traces(r)) for m, r in measure.run_batches(engines, cal, 1, s.max_new_tokens,
                                                                              s.sampling, tick).items()}  # fmt: skip
     widths = {m: measure.verify_width(e, cal[0]) for m, e in engines.items()}
     context = int(statistics.median(len(p) for p in cal)) + s.max_new_tokens // 2
     timed = measure.call_times(engines, widths, context, sizes, s.repeats, tick)
-    step = {m: {b: predict.scaled_step_s(cals[m].step_s, timed[m], b) for b in sizes} for m in engines}
+    verify = {b: verify_cost_curve(engines["none"], VERIFY_NS, context, s.repeats, b)["ratio"] for b in s.batches}
+    tick(len(s.batches))
+    measured_step = {m: {1: cals[m].step_s} for m in engines}
+    for b in s.batches:
+        if b > 1:  # the mean call at this batch size, generating the calibration prompts
+            for m, batches in measure.run_batches(engines, cal, b, s.max_new_tokens, s.sampling, tick).items():
+                measured_step[m][b] = measure.step_s(batches)
+    step = {m: {b: predict.scaled_step_s(measured_step[m], timed[m], b) for b in sizes} for m in engines}
     predicted = {b: {m: predict.speedup(cals["none"], cals[m], step["none"][b], step[m][b], b) for m in methods}
                  for b in sizes}  # fmt: skip
     end_to_end = {m: {r: predict.speedup(cals["none"], cals[m], step["none"][1], step[m][1], 1, r, prefill=True)
@@ -160,6 +169,7 @@ def _advise_set(engines: dict[str, Engine], cal: list[list[int]], held: list[lis
             cells.append({
                 "method": m, "batch": b, "tau": round(cals[m].tau, 4),
                 "break_even_tau": round(predict.break_even_tau(step["none"][b], step[m][b]), 4),
+                "measured_tau": round(measure.tau(runs[m]), 4),
                 "predicted": round(predicted[b][m], 4), "measured": round(measured, 4),
                 "error": round(predict.relative_error(predicted[b][m], measured), 4),
                 "first_difference": same,
@@ -184,6 +194,7 @@ def _advise_set(engines: dict[str, Engine], cal: list[list[int]], held: list[lis
         },
         "timed_call_ms": {m: {b: round(t * 1e3, 3) for b, t in timed[m].items()} for m in engines},
         "context": context,
+        "verify_cost": {b: {n: round(r, 4) for n, r in curve.items()} for b, curve in verify.items()},
         "cells": cells,
         "batch_curve": {m: {b: round(predicted[b][m], 4) for b in sizes} for m in methods},
         "batch_crossover": {m: predict.first_below({b: predicted[b][m] for b in sizes}) for m in methods},

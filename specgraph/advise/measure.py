@@ -97,6 +97,18 @@ def traces(runs: list[list[GenerationResult]]) -> list[Trace]:
     return [Trace(len(r.output_ids), tuple(r.accepted_per_step), r.prefill_s, r.decode_s) for (r,) in runs]
 
 
+def step_s(runs: list[list[GenerationResult]]) -> float:
+    """Mean seconds per engine call after prefill: a batch makes as many calls as its longest row."""
+    calls = sum(max(r.steps for r in batch) for batch in runs)
+    return decode_s(runs) / calls if calls else 0.0
+
+
+def tau(runs: list[list[GenerationResult]]) -> float:
+    """Tokens per call after prefill, pooled over every row."""
+    steps = sum(r.steps for batch in runs for r in batch)
+    return sum(max(len(r.output_ids) - 1, 0) for batch in runs for r in batch) / steps if steps else 1.0
+
+
 def decode_s(runs: list[list[GenerationResult]]) -> float:
     """Seconds of decoding (after prefill) over all batches: a batch's rows share one time."""
     return sum(batch[0].decode_s for batch in runs)

@@ -13,9 +13,9 @@ follows from that one identity, applied to the traces themselves rather than to 
   `draws` seeded random groups), the same groups for `none` and the method, and the predicted
   speed-up is the ratio of the summed times.
 
-Step times come from measurements: the method's own mean time per call on the calibration
-prompts at batch 1, scaled to B rows by the ratio of timed B-row and 1-row calls of the same
-engine at the same width (`scaled_step_s`).
+Step times come from measurements: the method's own mean time per call while generating the
+calibration prompts at each asked batch size, and between and beyond those, scaled by the ratio
+of timed calls of the same engine at its full width (`scaled_step_s`).
 """
 
 from __future__ import annotations
@@ -103,9 +103,13 @@ def predicted_s(cal: Calibration, step_s: float, batches: list[list[int]], reply
     return total
 
 
-def scaled_step_s(step_s_batch1: float, timed: dict[int, float], batch: int) -> float:
-    """A B-row call's seconds: the measured 1-row mean, times timed(B) / timed(1) for the engine."""
-    return step_s_batch1 * timed[batch] / timed[1]
+def scaled_step_s(measured: dict[int, float], timed: dict[int, float], batch: int) -> float:
+    """A B-row call's seconds: the mean measured while generating at the largest batch size A <= B
+    that was measured (1 always is), times timed(B) / timed(A) for the engine. Measured means
+    carry what a timed call at the engine's full width does not: a chain trimmed to its real
+    drafts (lookup) is narrow at batch 1 and nearly always full at batch 4."""
+    anchor = max(a for a in measured if a <= batch)
+    return measured[anchor] * timed[batch] / timed[anchor]
 
 
 def speedup(none: Calibration, method: Calibration, none_step_s: float, method_step_s: float, batch: int = 1,

@@ -20,12 +20,13 @@ def format_report(report: dict[str, Any]) -> str:
                      f"measured {r['measured']:.2f}x")  # fmt: skip
     if report["warnings"]:
         lines += ["", "warnings:"] + [f"- {w}" for w in report["warnings"]]
-    lines += ["", f"{'prompts':<12}{'method':<9}{'batch':>6}{'tau':>7}{'break-even':>12}{'predicted':>11}"
-                  f"{'measured':>10}{'error':>8}"]  # fmt: skip
+    lines += ["", f"{'prompts':<12}{'method':<9}{'batch':>6}{'tau':>7}{'held-out':>9}{'break-even':>12}"
+                  f"{'predicted':>11}{'measured':>10}{'error':>8}"]  # fmt: skip
     for name, result in report["sets"].items():
         for c in result["cells"]:
             same = "" if c["first_difference"] is None else f"  OUTPUT DIFFERS (row {c['first_difference']})"
-            lines.append(f"{name:<12}{c['method']:<9}{c['batch']:>6}{c['tau']:>7.2f}{c['break_even_tau']:>12.2f}"
+            lines.append(f"{name:<12}{c['method']:<9}{c['batch']:>6}{c['tau']:>7.2f}{c['measured_tau']:>9.2f}"
+                         f"{c['break_even_tau']:>12.2f}"
                          f"{c['predicted']:>10.2f}x{c['measured']:>9.2f}x{c['error'] * 100:>+7.1f}%{same}")  # fmt: skip
     a = report["accuracy"]
     lines += ["", f"predictions within 15% of the measurement: {a['within_15_percent']} of {a['cells']} "
