@@ -132,9 +132,13 @@ def _work(engines: int, cal: int, held: int, batches: list[int], sizes: list[int
 
 
 def _warm_up(engines: dict[str, Engine], prompt: list[int], s: Settings) -> None:
-    """One short generate per engine before anything is timed (ONNX Runtime allocates on the first call)."""
+    """A short generate per engine at every asked batch size before anything is timed: ONNX
+    Runtime allocates on the first call of each shape. Without it (docs/benchmarks.md, the
+    advisor section), Medusa's batch-4 cost over none's read 3.2 on the calibration runs, the
+    first at that size, and about 3.9 on the held-out runs after them."""
     for engine in engines.values():
-        engine.generate_batch([prompt], 4, False, s.sampling)
+        for b in s.batches:
+            engine.generate_batch([prompt] * b, 16, False, s.sampling)
 
 
 def _advise_set(engines: dict[str, Engine], cal: list[list[int]], held: list[list[int]], s: Settings,

@@ -58,7 +58,9 @@ def plot_advice(report: dict[str, Any], path: str | Path, inputs: Inputs = (), f
         top = max([top, *xs, *ys])
         cells.scatter(xs, ys, label=name)
         for m, curve in result["batch_curve"].items():
-            batch.plot(list(map(int, curve)), list(curve.values()), marker="o", label=f"{name} {m}")
+            line = batch.plot(list(map(int, curve)), list(curve.values()), marker="o", label=f"{name} {m}")[0]
+            points = [(c["batch"], c["measured"]) for c in result["cells"] if c["method"] == m]
+            batch.scatter(*zip(*points, strict=True), color=line.get_color(), marker="x", s=60)
         probe = result["reply_measured"]["method"]
         curve = result["reply_curve"][probe]
         line = reply.plot(list(map(int, curve)), list(curve.values()), label=f"{name} {probe} predicted")[0]
@@ -70,7 +72,7 @@ def plot_advice(report: dict[str, Any], path: str | Path, inputs: Inputs = (), f
     cells.set(xlabel="predicted speed-up", ylabel="measured speed-up (held-out prompts)",
               title="predicted against measured (band: 15%)")  # fmt: skip
     cells.legend(fontsize=7)
-    for ax, xlabel, title in ((batch, "batch size", "predicted speed-up by batch"),
+    for ax, xlabel, title in ((batch, "batch size", "speed-up by batch (x: measured)"),
                               (reply, "reply length (tokens)", "end to end by reply length (x: measured)")):  # fmt: skip
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
