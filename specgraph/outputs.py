@@ -47,7 +47,8 @@ _MAX_READ = 64 << 20  # a file specgraph made is far smaller; anything larger is
 _MAX_ENTRIES = 10_000  # a bundle holds a handful of files
 _PNG = b"\x89PNG\r\n\x1a\n"
 PLOT_SOFTWARE = "specgraph bench"  # the PNG Software text that marks a plot as ours
-_PLOT_MARKS = (PLOT_SOFTWARE, "specgraph advise")  # bench's plots and advise's
+ADVICE_PLOT_SOFTWARE = "specgraph advise"  # the same for an advise plot
+_PLOT_MARKS = (PLOT_SOFTWARE, ADVICE_PLOT_SOFTWARE)
 
 Inputs = Iterable[str | Path | None]
 

@@ -43,11 +43,18 @@ def plot_bench(results: dict[str, dict[str, Any]], path: str | Path, inputs: Inp
         right.annotate(f"τ={tau:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     method = next(iter(results.values()))["method"] if results else ""
     right.set(ylabel="speed-up over the none engine (tokens/s)", title=f"{method}: speed-up by prompt set")
+    return save_figure(fig, out, PLOT_SOFTWARE, inputs, force)
+
+
+def save_figure(fig: Any, out: Path, software: str, inputs: Inputs = (), force: bool = False) -> Path:
+    """Write a matplotlib figure as a PNG to exactly `out`, marked with `software`, and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
         # format given: matplotlib then writes exactly the name it is handed (no ".png" added);
         # the Software text marks the file as ours, so a later --plot may replace it
-        write_file(out, lambda tmp: fig.savefig(tmp, dpi=120, format="png", metadata={"Software": PLOT_SOFTWARE}),
+        write_file(out, lambda tmp: fig.savefig(tmp, dpi=120, format="png", metadata={"Software": software}),
                    PLOT, inputs, force)  # fmt: skip
     finally:
         plt.close(fig)

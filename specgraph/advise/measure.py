@@ -152,20 +152,19 @@ def call_times(engines: dict[str, Engine], widths: dict[str, int], context: int,
 
 def rss_mb() -> float | None:
     """This process's resident memory now, in MB (1e6 bytes); None where /proc is missing."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / 1e6
-    except OSError:
-        pass
-    return None
+    return _proc_mb("/proc/self/status", "VmRSS:")
 
 
 def available_mb() -> float | None:
     """Memory the system can still give (MemAvailable), in MB; None where /proc is missing."""
+    return _proc_mb("/proc/meminfo", "MemAvailable:")
+
+
+def _proc_mb(file: str, key: str) -> float | None:
+    """The kB figure on the line of a /proc file that starts with `key`, in MB."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(file).read_text().splitlines():
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024 / 1e6
     except OSError:
         pass

@@ -5,10 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specgraph.outputs import PLOT, Inputs, write_file
-from specgraph.plot import check_plot_path
-
-PLOT_SOFTWARE = "specgraph advise"  # the PNG Software text that marks an advise plot as ours
+from specgraph.outputs import ADVICE_PLOT_SOFTWARE, Inputs
+from specgraph.plot import check_plot_path, save_figure
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -78,10 +76,4 @@ def plot_advice(report: dict[str, Any], path: str | Path, inputs: Inputs = (), f
         ax.set_xscale("log", base=2)
         ax.set(xlabel=xlabel, ylabel="speed-up over none", title=title)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    try:
-        write_file(out, lambda tmp: fig.savefig(tmp, dpi=120, format="png", metadata={"Software": PLOT_SOFTWARE}),
-                   PLOT, inputs, force)  # fmt: skip
-    finally:
-        plt.close(fig)
-    return out
+    return save_figure(fig, out, ADVICE_PLOT_SOFTWARE, inputs, force)
