@@ -283,8 +283,10 @@ def _warnings(sets: dict[str, Any], memory: dict[str, Any], batches: list[int]) 
         probe = r["reply_measured"]["method"]
         cross = r["reply_crossover"].get(probe)
         if cross is not None and cross > min(r["reply_curve"][probe]):
+            seen = r["reply_crossover_measured"]
+            seen_text = f"from {seen}" if seen is not None else f"at no length up to {max(r['reply_curve'][probe])}"
             out.append(f"{name}: replies shorter than {cross} tokens do not pay with {probe} (prefill and the "
-                       f"first calls dominate; measured from {r['reply_crossover_measured']})")  # fmt: skip
+                       f"first calls dominate; measured: pays {seen_text})")  # fmt: skip
         at_one = [c for c in r["cells"] if c["batch"] == min(batches)]
         if at_one and all(c["predicted"] < 1.0 for c in at_one):
             best = max(at_one, key=lambda c: c["predicted"])
