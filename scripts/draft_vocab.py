@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -25,31 +24,13 @@ import torch
 from tqdm import tqdm
 
 from specgraph.bench import encode_prompt, read_prompts
+from specgraph.corpus import stdlib_text
 from specgraph.draft_vocab import _DIR, coverage, rank_tokens, save_ranking
 from specgraph.loaders import load_model, load_tokenizer
 from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.runtime import Engine
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
-
-
-def stdlib_text(max_mb: float) -> tuple[list[str], int]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts, size, files = [], 0, 0
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if parts[0] in ("site-packages", "test", "idlelib") or "tests" in parts or "test" in parts:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts.append(text)
-        size += len(text.encode())
-        files += 1
-        if size >= max_mb * 1e6:
-            break
-    return texts, files
 
 
 def replies(engine: Engine | None, model, tokenizer, prompts: list[str], new_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]

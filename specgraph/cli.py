@@ -297,8 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at -o or its cache"))
     t.add_argument(
-        "--max-new-tokens", type=_positive, default=32, help="tokens the target generates per prompt (default 32)"
-    )
+        "--max-new-tokens", type=_positive, default=None,
+        help="tokens the target generates per prompt (default: medusa 32, eagle 128)",
+    )  # fmt: skip
+    t.add_argument("--epochs", type=_positive, default=None,
+                   help="passes over the training data (default: medusa 5, eagle 2)")  # fmt: skip
     t.add_argument("--threads", type=_positive, default=2, help="torch and ONNX Runtime threads (default 2)")
     t.add_argument("--json", action="store_true", help="print the training report as JSON")
     for method in trainable:

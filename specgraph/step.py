@@ -97,7 +97,8 @@ class StepEngine(torch.nn.Module):
         """Next round's tokens [B, 1+K] (the bonus, then K drafts) and the `draft_outputs`.
         tokens [B, T] are this call's, cache_len [B] where they started; the committed ones are
         the first cache_len_out - cache_len, and the bonus [B, 1] goes at position cache_len_out.
-        params: the four sampling inputs (empty for a greedy-only engine)."""
+        params: the four sampling inputs (empty for a greedy-only engine). A method whose pass
+        adds outputs to the target graph gets them after `params`."""
         return bonus, []
 
     def proposal(self, state):  # type: ignore[no-untyped-def]
@@ -116,7 +117,9 @@ class StepEngine(torch.nn.Module):
         positions = cache_len[:, None] + offsets[None, :]  # [B, T]; a chain sits at consecutive slots
         masks = chain_masks(positions, s, self.sliding_window)
         span = attn_span(cache_len.max() + t, s)
-        logits, *present = self.target(tokens, positions, *masks, cache_len, span, *kv)
+        logits, *rest = self.target(tokens, positions, *masks, cache_len, span, *kv)
+        # the caches, then any output a method's pass added (EAGLE: the LM head's input)
+        present, added = rest[: 2 * self.num_layers], rest[2 * self.num_layers :]
         q = self.proposal(state) if self.sampling else None
         if q is not None:  # draws 0 and 1 of the token after each position: accept, residual
             cols = [sampling.stream(positions + 1, r, self.uniform_streams) for r in (0, 1)]
@@ -129,7 +132,7 @@ class StepEngine(torch.nn.Module):
             pred = logits.argmax(dim=-1)  # [B, T]
         accepted, n_accepted, bonus, committed = accept_chain(tokens, pred, n_fixed)
         cache_len_out = cache_len + committed  # [B]
-        next_tokens, extra = self.draft(state, tokens, cache_len, bonus, cache_len_out, params)
+        next_tokens, extra = self.draft(state, tokens, cache_len, bonus, cache_len_out, params, *added)
         outputs = [accepted, n_accepted, next_tokens, cache_len_out, *extra, *present]
         if self.emit_logits:
             outputs.append(logits)

@@ -25,9 +25,10 @@ DRAFT_SEED = 1  # the draft model's weights: the target is seed 0
 
 def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
     """How the 8-token model is compiled for the statistics: 3 lookup drafts, random Medusa
-    heads (so candidates disagree with the target) with TREE, or 3 drafts sampled from another
+    heads (so candidates disagree with the target) with TREE, 3 drafts sampled from another
     8-token model (DRAFT_SEED: its q is far from the target's p, total variation 0.4 for the first
-    token at temperature 1); writes the heads, tree and draft model once."""
+    token at temperature 1), or 3 drafts sampled from an untrained EAGLE drafter; writes the
+    heads, tree, draft model and drafter once."""
     heads, tree, draft = root / "heads.safetensors", root / "tree.json", root / "draft-v8"
     if not draft.exists():
         save("llama-v8", draft, seed=DRAFT_SEED)
@@ -39,9 +40,15 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
             module.bias.normal_(0, 0.05)
         save_heads(heads, module, {"vocab_size": 8, "model": "tiny"})
         tree.write_text(json.dumps({"paths": TREE}))
+    eagle = root / "eagle.safetensors"
+    if method.startswith("eagle") and not eagle.exists():
+        from tests.methods.test_eagle import random_drafter
+
+        random_drafter(folder, eagle)  # untrained: its q is far from p
     name = method.split("-")[0]
     own = {"lookup": {"num_draft": 3}, "medusa": {"heads": str(heads), "tree": str(tree)},
-           "draft": {"draft": str(draft), "num_draft": 3}}.get(name, {})  # fmt: skip
+           "draft": {"draft": str(draft), "num_draft": 3},
+           "eagle": {"eagle": str(eagle), "num_draft": 3}}.get(name, {})  # fmt: skip
     return CompileConfig.of(folder, root / method, name, max_context=64, **own)
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Method, Options
 from specgraph.methods.draft import DRAFT
+from specgraph.methods.eagle import EAGLE
 from specgraph.methods.lookup import LOOKUP
 from specgraph.methods.medusa import MEDUSA
 from specgraph.methods.none import NONE
 
-REGISTRY: dict[str, Method] = {m.name: m for m in (NONE, LOOKUP, MEDUSA, DRAFT)}
+REGISTRY: dict[str, Method] = {m.name: m for m in (NONE, LOOKUP, MEDUSA, DRAFT, EAGLE)}
 
 
 def names() -> list[str]:

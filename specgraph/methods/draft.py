@@ -87,34 +87,37 @@ class Drafter:
     vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary: its ids, its report
 
 
-class DraftStepEngine(StepEngine):
-    """The chain engine whose drafter is a model of its own, run K times inside the call."""
+class ModelDrafts(StepEngine):
+    """A chain engine whose drafter is a network run K times inside the call (a draft model, an
+    EAGLE layer): its cache is per-row state `draft_past_*` bound in place like the target's,
+    each draft is its argmax or, with sampling, a draw from its own q, which rides along as
+    `draft_q` for the general accept rule. Subclasses hold the network as `draft_gm`."""
 
-    # the draft's products run on T + 1 and 1 tokens, and its weights are its own (exporters/gemm.py)
+    # the drafter's products run on other token counts than the target's, and its weights are
+    # its own (exporters/gemm.py)
     drafter_weights = ("p_draft_gm_", "draft_gm.")
 
-    def __init__(self, *args: Any, drafter: Drafter, num_draft: int, vocab_size: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, num_draft: int, vocab_size: int, cache_shapes: list[tuple[int, ...]],
+                 vocab: tuple[torch.Tensor, dict[str, Any]] | None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.vocab_size = vocab_size
-        self.draft_gm = drafter.gm  # registered as a submodule: its weights are draft_gm.*
-        self.draft_layers = drafter.num_layers
-        self.draft_kv_shapes = drafter.kv_shapes
-        self.draft_window = drafter.window
         self.num_draft = num_draft
+        self.draft_kv_shapes = cache_shapes
+        self.draft_layers = len(cache_shapes) // 2
         # with sampling, q of the drafts rides along (see the module docstring)
         q = ("draft_q",) if self.sampling else ()
-        self.state_inputs = (*kv_names("draft_past", drafter.num_layers), *q)
-        self.draft_outputs = (*kv_names("draft_present", drafter.num_layers), *(f"{n}_out" for n in q))
+        self.state_inputs = (*kv_names("draft_past", self.draft_layers), *q)
+        self.draft_outputs = (*kv_names("draft_present", self.draft_layers), *(f"{n}_out" for n in q))
         # uniforms per position with sampling: 0 accept, 1 residual (or the plain draw), 2 the draft's draw
         self.uniform_streams = 3 if self.sampling else 1
-        # a reduced draft vocabulary (specgraph/draft_vocab.py): the draft's logits index these ids
+        # a reduced draft vocabulary (specgraph/draft_vocab.py): the drafter's logits index these ids
         self.vocab_ids: torch.Tensor | None
-        self.register_buffer("vocab_ids", None if drafter.vocab is None else drafter.vocab[0].to(_I64).clone())
-        self.vocab_info = {} if drafter.vocab is None else drafter.vocab[1]
+        self.register_buffer("vocab_ids", None if vocab is None else vocab[0].to(_I64).clone())
+        self.vocab_info = {} if vocab is None else vocab[1]
 
     @property
     def extra_slots(self) -> int:  # type: ignore[override]
-        """The draft writes its K - 1 steps past the bonus: keep room for them in the cache."""
+        """The drafter writes its K - 1 steps past the bonus: keep room for them in the cache."""
         return self.num_draft
 
     def example_state(self, batch: int) -> list[torch.Tensor]:
@@ -123,6 +126,32 @@ class DraftStepEngine(StepEngine):
 
     def proposal(self, state):  # type: ignore[no-untyped-def]
         return state[-1] if self.sampling else None  # draft_q [B, K, V]
+
+    def _propose(self, logits, at, params):  # type: ignore[no-untyped-def]
+        """The draft token at positions `at` [B, 1] from the drafter's logits [B, 1, V], and its q:
+        the argmax (q unused) without sampling, else d ~ q by inverse CDF with draw 2 of `at`."""
+        if not self.sampling:
+            return self._token(logits.argmax(dim=-1)), None
+        q = torch.ops.specgraph.filtered(logits, *params[:3])  # [B, 1, V]; one-hot at temperature 0
+        u = sampling.position_uniforms(params[3], sampling.stream(at, 2, self.uniform_streams))  # [B, 1]
+        d = self._token(sampling.inverse_cdf(q, u))
+        if self.vocab_ids is not None:  # q over the draft vocabulary -> over the target's (0 elsewhere)
+            b, v_d = q.shape[0], q.shape[-1]
+            q = q.new_zeros(b, 1, self.vocab_size).scatter(2, self.vocab_ids[None, None, :].expand(b, 1, v_d), q)
+        return d, q
+
+    def _token(self, index):  # type: ignore[no-untyped-def]
+        """A draft-vocabulary index as the token id (the identity without a reduced vocabulary)."""
+        return index if self.vocab_ids is None else self.vocab_ids[index]
+
+
+class DraftStepEngine(ModelDrafts):
+    """The chain engine whose drafter is a model of its own, run K times inside the call."""
+
+    def __init__(self, *args: Any, drafter: Drafter, **kwargs: Any) -> None:
+        super().__init__(*args, cache_shapes=drafter.kv_shapes, vocab=drafter.vocab, **kwargs)
+        self.draft_gm = drafter.gm  # registered as a submodule: its weights are draft_gm.*
+        self.draft_window = drafter.window
 
     def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
         b, t = tokens.shape
@@ -144,23 +173,6 @@ class DraftStepEngine(StepEngine):
             qs.append(q)
         carried = [torch.cat(qs, dim=1)] if self.sampling else []  # draft_q_out [B, K, V]
         return torch.cat([bonus, *drafts], dim=1), [*kv, *carried]  # next_tokens [B, 1+K], draft state
-
-    def _propose(self, logits, at, params):  # type: ignore[no-untyped-def]
-        """The draft token at positions `at` [B, 1] from the draft's logits [B, 1, V], and its q:
-        the argmax (q unused) without sampling, else d ~ q by inverse CDF with draw 2 of `at`."""
-        if not self.sampling:
-            return self._token(logits.argmax(dim=-1)), None
-        q = torch.ops.specgraph.filtered(logits, *params[:3])  # [B, 1, V]; one-hot at temperature 0
-        u = sampling.position_uniforms(params[3], sampling.stream(at, 2, self.uniform_streams))  # [B, 1]
-        d = self._token(sampling.inverse_cdf(q, u))
-        if self.vocab_ids is not None:  # q over the draft vocabulary -> over the target's (0 elsewhere)
-            b, v_d = q.shape[0], q.shape[-1]
-            q = q.new_zeros(b, 1, self.vocab_size).scatter(2, self.vocab_ids[None, None, :].expand(b, 1, v_d), q)
-        return d, q
-
-    def _token(self, index):  # type: ignore[no-untyped-def]
-        """A draft-vocabulary index as the token id (the identity without a reduced vocabulary)."""
-        return index if self.vocab_ids is None else self.vocab_ids[index]
 
     def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
         """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""

@@ -147,7 +147,6 @@ class MedusaMethod(Method):
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default 4)")
-        group.add_argument("--epochs", type=int, default=5, help="passes over the training positions (default 5)")
         group.add_argument(
             "--separate-lm-heads",
             action="store_true",
@@ -159,7 +158,7 @@ class MedusaMethod(Method):
         from specgraph.methods.medusa.train import train_medusa
 
         return train_medusa(model=args.model, prompts=args.prompts, output=args.output, num_heads=args.heads,
-                            epochs=args.epochs, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                            epochs=args.epochs or 5, max_new_tokens=args.max_new_tokens or 32, threads=args.threads,
                             progress=progress, command=command, separate_lm_heads=args.separate_lm_heads,
                             force=args.force)  # fmt: skip
 

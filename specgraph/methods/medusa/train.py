@@ -36,6 +36,7 @@ from specgraph.outputs import GEN_CACHE, HEADS, check_output, write_file
 HEAD_DECAY = 0.8  # loss weight of head k is HEAD_DECAY**k (Medusa-1)
 RANKS = 10  # acceptance[k][r] for r < RANKS
 IGNORE = -100  # target id where t + k + 2 runs past the end of the sequence
+GENERATE_BATCH = 16  # prompts per engine call when generating the training text
 TRAIN_SET = Path(__file__).resolve().parents[2] / "data" / "train.jsonl"  # what prompts="train" names
 
 
@@ -220,10 +221,15 @@ def _generate(
         if int(engine.manifest["vocab_size"]) != loaded.vocab_size:
             raise InputError(f"engine bundle {bundle} has a different vocabulary than {model}: not the same model")
         seqs = []
-        bar = tqdm(fitting, desc="generate", unit="prompt", file=sys.stderr, disable=not progress)
-        for ids in bar:
-            seqs.append((ids, engine.generate(ids, max_new_tokens).output_ids))
+        bar = tqdm(total=len(fitting), desc="generate", unit="prompt", file=sys.stderr, disable=not progress)
+        # rows of a batch emit exactly what each would alone (Engine.generate_batch), several times faster
+        for start in range(0, len(fitting), GENERATE_BATCH):
+            group = fitting[start : start + GENERATE_BATCH]
+            results = engine.generate_batch(group, max_new_tokens)
+            seqs += [(ids, list(r.output_ids)) for ids, r in zip(group, results, strict=True)]
+            bar.update(len(group))
             bar.set_postfix(tokens=sum(len(out) for _, out in seqs))
+        bar.close()
     body = {"key": key, "sequences": [{"prompt_ids": p, "output_ids": o} for p, o in seqs]}
     write_file(cache, lambda tmp: tmp.write_text(json.dumps(body)), GEN_CACHE, *writing)
     return seqs, False

@@ -1,0 +1,200 @@
+"""`eagle`: an EAGLE drafter (one decoder layer on [token embedding; target feature], see
+`drafter.py`) proposes K tokens; the target verifies them in the same engine call.
+
+One call = one round, all inside one ONNX graph:
+  1. the target verifies `tokens` = [bonus, d_1..d_K] (the shared chain rule) and hands on its
+     feature (the LM head's input, an output the pass `add_feature_output` adds) at every position;
+  2. catch-up: the drafter runs one entry per position of this call, (f_j, the token after j),
+     the token after the last committed position being the new bonus; this rewrites its cache
+     for everything committed, and the entry at the last committed position predicts the
+     feature after the bonus, whose readout is d'_1;
+  3. K - 1 one-entry steps, each feeding back the predicted feature with the token just drafted.
+The drafter's cache is per-row state like the draft model's (`methods/draft.py` `ModelDrafts`,
+which also gives the greedy drafts and, with sampling, the drafts' q for the general rule);
+rollback is not advancing: every slot past the committed tokens is rewritten before it is read.
+
+The readout is rows of the target's own LM head: the reduced draft vocabulary where the model has
+a ranking (`specgraph/draft_vocab.py`), so the drafter ships no head of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specgraph import draft_vocab
+from specgraph.errors import InputError
+from specgraph.methods.base import Built, Finished, Measure, Method, Options
+from specgraph.methods.draft import ModelDrafts
+from specgraph.methods.eagle.drafter import EagleDrafter, load_drafter
+from specgraph.methods.medusa.heads import model_fingerprint
+from specgraph.passes._infra import PassContext, PassResult, cleanup, output_values, set_outputs
+from specgraph.step import attn_span, chain_masks
+
+_I64 = torch.int64
+DRAFT_VOCAB = draft_vocab.MEDUSA_DEFAULT  # tokens the readout scores where the model has a ranking
+# The drafters that ship with the package, by the fingerprint of the model they were trained for
+SHIPPED = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-eagle.safetensors"}  # SmolLM2-135M-Instruct
+_DIR = Path(__file__).resolve().parents[2] / "data" / "heads"
+
+
+@dataclass(frozen=True)
+class EagleOptions(Options):
+    eagle: str | None = None  # a drafter file from `specgraph train --method eagle`; default: the shipped one
+    num_draft: int = 4  # K: draft tokens per round
+    draft_vocab: int | None = None  # tokens the readout scores; None: DRAFT_VOCAB with a ranking; 0: all
+    draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
+
+    def check(self) -> None:
+        if not 1 <= self.num_draft <= 16:
+            raise InputError(f"--num-draft must be between 1 and 16 for --method eagle, got {self.num_draft}")
+        if self.draft_vocab is not None and (int(self.draft_vocab) != self.draft_vocab or self.draft_vocab < 0):
+            raise InputError(
+                f"--draft-vocab must be 0 (the whole vocabulary) or a positive size, got {self.draft_vocab}"
+            )
+
+    def files(self) -> list[str | Path | None]:
+        return [self.eagle, self.draft_vocab_file]
+
+
+def add_feature_output(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Requires an anatomy whose LM head reads the final norm's output [B, T, H]; ensures one more
+    graph output after the caches: that feature (the target's logits and caches are unchanged)."""
+    feature = ctx.anatomy.lm_head.args[0]
+    assert isinstance(feature, torch.fx.Node)
+    set_outputs(gm, [*output_values(gm), feature])
+    cleanup(gm)
+    return PassResult(gm, True, {"outputs_added": 1})
+
+
+class EagleStepEngine(ModelDrafts):
+    """The chain engine with an EAGLE layer as the drafter."""
+
+    def __init__(self, target: torch.fx.GraphModule, num_layers: int, max_context: int, *args: Any,
+                 drafter: EagleDrafter, embed_weight: str, lm_head_weight: str, **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(target, num_layers, max_context, *args, cache_shapes=drafter.cache_shapes(max_context),
+                         vocab=drafter.vocab, **kwargs)  # fmt: skip
+        self.draft_gm = drafter  # its weights are draft_gm.* (exporters/gemm.py: the drafter's own products)
+        self.embed_weight = embed_weight
+        if self.vocab_ids is not None:  # the readout: those rows of the LM head, as the drafter's own weight
+            rows = self.target.get_parameter(lm_head_weight).detach()[self.vocab_ids].clone()
+        else:
+            rows = self.target.get_parameter(lm_head_weight).detach().clone()
+        drafter.register_parameter("readout", torch.nn.Parameter(rows, requires_grad=False))  # [V_d, H]
+
+    def draft(self, state, tokens, cache_len, bonus, cache_len_out, params, feature):  # type: ignore[no-untyped-def]
+        b, t = tokens.shape
+        h = feature.shape[-1]
+        committed = cache_len_out - cache_len  # [B]
+        idx = torch.arange(t, dtype=_I64)[None, :]  # [1, T]
+        after = torch.cat([tokens[:, 1:], bonus], dim=1)  # [B, T] the token after each position...
+        after = torch.where(idx == committed[:, None] - 1, bonus, after)  # ...the bonus after the last committed
+        kv = list(state[:2])
+        pred, kv = self._run(after, feature, cache_len[:, None] + idx, cache_len, kv)  # [B, T, H]
+        last = pred.gather(1, (committed - 1)[:, None, None].expand(b, 1, h))  # [B, 1, H] the feature after the bonus
+        d, q = self._propose(self._readout(last), cache_len_out[:, None] + 1, params)
+        drafts, qs = [d], [q]
+        for i in range(1, self.num_draft):
+            pos = cache_len_out[:, None] + (i - 1)  # [B, 1] the entry (predicted feature, d'_i)
+            last, kv = self._run(drafts[-1], last, pos, pos[:, 0], kv)
+            d, q = self._propose(self._readout(last), pos + 2, params)
+            drafts.append(d)
+            qs.append(q)
+        carried = [torch.cat(qs, dim=1)] if self.sampling else []  # draft_q_out [B, K, V]
+        return torch.cat([bonus, *drafts], dim=1), [*kv, *carried]
+
+    def _readout(self, feature: torch.Tensor) -> torch.Tensor:
+        """Logits [B, 1, V_d] of a feature [B, 1, H] (one 2-D product over the drafter's rows)."""
+        b, h = feature.shape[0], feature.shape[-1]
+        readout = self.draft_gm.get_parameter("readout")  # [V_d, H]
+        return torch.nn.functional.linear(feature.reshape(b, h), readout)[:, None, :]
+
+    def _run(self, tokens, feature, positions, write_at, kv):  # type: ignore[no-untyped-def]
+        """Entries (feature [B, W, H], embedding of tokens [B, W]) at `positions` [B, W]."""
+        s = kv[1].shape[-2]
+        emb = torch.nn.functional.embedding(tokens, self.target.get_parameter(self.embed_weight))
+        masks = chain_masks(positions, s, None)
+        span = attn_span(positions.max() + 1, s)
+        pred, k, v = self.draft_gm.step(emb, feature, positions, masks[0], write_at, span, *kv)
+        return pred, [k, v]
+
+
+class EagleMethod(Method):
+    name = "eagle"
+    summary = "an EAGLE drafter (one decoder layer on the target's features) proposes K tokens"
+    options_type = EagleOptions
+    trains = True
+
+    def add_flags(self, group: Any) -> None:
+        group.add_argument(
+            "--eagle", help="eagle: drafter file from `specgraph train --method eagle` (default: the shipped one)"
+        )
+        group.add_argument("--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft, eagle: 4)")
+        draft_vocab.add_flags(group)
+
+    def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--corpus-mb", type=float, default=1.0,
+                           help="eagle: MB of the Python standard library's sources to train on, beside the "
+                                "target's replies to --prompts (default 1.0)")  # fmt: skip
+        group.add_argument("--seq-len", type=int, default=256, help="eagle: tokens per code window (default 256)")
+        group.add_argument("--curve", type=int, default=4,
+                           help="eagle: held-out acceptance measured this many times while training (default 4)")  # fmt: skip
+
+    def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
+        from specgraph.methods.eagle.train import train_eagle
+
+        return train_eagle(model=args.model, output=args.output, prompts=args.prompts, corpus_mb=args.corpus_mb,
+                           max_new_tokens=args.max_new_tokens or 128, epochs=args.epochs or 2, seq_len=args.seq_len,
+                           curve=args.curve, threads=args.threads, progress=progress, command=command,
+                           force=args.force)  # fmt: skip
+
+    def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> EagleDrafter:
+        opts: EagleOptions = cfg.opts
+        fingerprint = model_fingerprint(loaded)
+        path = opts.eagle
+        if path is None:
+            shipped = SHIPPED.get(fingerprint or "")
+            if shipped is None:
+                raise InputError(f"--method eagle needs --eagle for {loaded.name}: train a drafter with "
+                                 "`specgraph train --method eagle`")  # fmt: skip
+            path = str(_DIR / shipped)
+        drafter = load_drafter(path, anatomy.hidden_size, anatomy.vocab_size)
+        if fingerprint and drafter.meta.get("fingerprint") not in (None, fingerprint):
+            raise InputError(f"{Path(path).name} was trained for another model ({drafter.meta.get('model', '?')}), "
+                             f"not {loaded.name}: its fingerprint differs; train one with `specgraph train --method eagle`")  # fmt: skip
+        drafter.vocab = draft_vocab.choose(opts.draft_vocab, opts.draft_vocab_file, DRAFT_VOCAB, fingerprint,
+                                           anatomy.vocab_size, loaded.name)  # fmt: skip
+        drafter.requires_grad_(False)
+        return drafter
+
+    def passes(self, options: Any) -> list[Any]:
+        return [add_feature_output]
+
+    def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
+        head, embed = anatomy.lm_head.args[1], anatomy.embedding.args[0]
+        assert isinstance(head, torch.fx.Node) and isinstance(embed, torch.fx.Node)
+        engine = EagleStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
+                                 cfg.engine_samples, drafter=drafter, embed_weight=str(embed.target),
+                                 lm_head_weight=str(head.target), num_draft=cfg.opts.num_draft,
+                                 vocab_size=anatomy.vocab_size)  # fmt: skip
+        return Built(engine)
+
+    def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
+        engine = built.engine
+        assert isinstance(engine, EagleStepEngine)
+        meta = engine.draft_gm.meta
+        section: dict[str, Any] = {"num_draft": cfg.opts.num_draft, "drafter": cfg.opts.eagle or "shipped"}
+        section["trained"] = {k: meta[k] for k in ("model", "acceptance", "expected_tokens", "train_tokens",
+                                                   "command") if k in meta}  # fmt: skip
+        summary = f"EAGLE drafter, {cfg.opts.num_draft} tokens per round"
+        if engine.vocab_ids is not None:
+            section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
+            summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
+        return Finished(section, draft_depth=cfg.opts.num_draft, report={**section, "summary": summary})
+
+
+EAGLE = EagleMethod()

@@ -1,0 +1,277 @@
+"""Train an EAGLE drafter on the frozen target's teacher-forced features.
+
+1. Text (reproducible on a fresh machine: nothing is downloaded):
+   - code: `--corpus-mb` MB of the Python standard library's sources (`specgraph.corpus`), cut
+     into windows of `--seq-len` tokens;
+   - chat: the target's own greedy replies to the training prompts (self-distillation, made in
+     batches by a compiled `none` engine and cached in `<output>.gen.json`, shared with Medusa's).
+   Whole sequences of each kind are held out.
+2. One no-grad pass of the HF model per batch of sequences: the LM head's input (the feature,
+   after the final norm) at every position, and the target's argmax token there.
+3. Only the drafter learns. Entry j = (feature f_j + noise, embedding of x_{j+1}) predicts f_{j+1}:
+   loss = SmoothL1(f', f_{j+1}) + CE_WEIGHT * CE(readout(f'), argmax at j+1), the readout being the
+   rows of the target's LM head for the reduced draft vocabulary (a target token outside it is
+   ignored by the loss and counted as a miss). Noise on the input features (EAGLE's remedy for
+   drafting from its own, imperfect features) and AdamW with cosine decay.
+4. Held-out acceptance by depth: depth 1 drafts from the target's true features, depth 2 from the
+   drafter's own predicted ones (as every later draft step does); the chain's expected tokens per
+   round follow from them. Measured `--curve` times during training: acceptance against training
+   tokens, with the seconds each point took.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specgraph import corpus, draft_vocab
+from specgraph.errors import InputError
+from specgraph.loaders import load_model, load_tokenizer
+from specgraph.methods.eagle.drafter import EagleDrafter, Shape, save_drafter
+from specgraph.methods.medusa.heads import model_fingerprint
+from specgraph.methods.medusa.train import _cache_path, _generate, _inputs, _split
+from specgraph.outputs import GEN_CACHE, HEADS, check_output, write_file
+
+CE_WEIGHT = 0.3  # the token loss beside the feature regression
+NOISE = 0.1  # std of the Gaussian noise on input features, relative to their RMS
+IGNORE = -100
+
+
+def train_eagle(
+    model: str,
+    output: str | Path,
+    prompts: str = "train",
+    corpus_mb: float = 1.0,
+    max_new_tokens: int = 128,
+    epochs: int = 2,
+    lr: float = 1e-3,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    holdout: float = 0.05,
+    draft_vocab_size: int | None = None,
+    curve: int = 4,
+    threads: int = 2,
+    seed: int = 0,
+    engine_bundle: str | None = None,
+    progress: bool = True,
+    command: str | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Train an EAGLE drafter for `model` and save it to `output` (safetensors). Returns its meta
+    plus the losses and timings. `draft_vocab_size`: tokens the readout scores (None: the
+    default reduced vocabulary where the model has a ranking, else all; 0: all). `engine_bundle`:
+    a compiled `none` bundle of the model to generate the replies with (default: one is compiled)."""
+    if epochs < 1 or batch_size < 1 or threads < 1 or seq_len < 8 or curve < 1 or not lr > 0 or corpus_mb < 0:
+        raise InputError("epochs, batch size, threads and --curve must be at least 1, --seq-len at least 8, "
+                         "lr positive and --corpus-mb not negative")  # fmt: skip
+    inputs = _inputs(model, prompts, engine_bundle)
+    output = check_output(output, HEADS, inputs, force)
+    check_output(_cache_path(output), GEN_CACHE, inputs, force)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    timings: dict[str, float] = {}
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    try:
+        t0 = time.perf_counter()
+        loaded = load_model(model)
+        hf = loaded.hf_model
+        lm_head = hf.get_output_embeddings() if hf is not None else None
+        if hf is None or lm_head is None:
+            raise InputError(f"{model}: training an EAGLE drafter needs a Hugging Face model with an LM head")
+        hf.eval()
+        embed = hf.get_input_embeddings().get_parameter("weight").detach()  # [V, H], frozen
+        lm_weight = lm_head.weight.detach()
+        vocab, hidden = lm_weight.shape
+        fingerprint = model_fingerprint(loaded)
+        from specgraph.methods.eagle import DRAFT_VOCAB
+
+        chosen = draft_vocab.choose(draft_vocab_size, None, DRAFT_VOCAB, fingerprint, vocab, loaded.name)
+        ids = torch.arange(vocab) if chosen is None else chosen[0].to(torch.int64)
+        index = torch.full((vocab,), IGNORE, dtype=torch.int64)
+        index[ids] = torch.arange(len(ids))  # token id -> draft-vocabulary index
+        readout = lm_weight[ids]  # [V_d, H]
+        timings["load_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        chats, cached = _generate(model, loaded, prompts, output, max_new_tokens, threads, engine_bundle, progress,
+                                  (inputs, force))  # fmt: skip
+        chat_seqs = [(p + r)[-seq_len:] for p, r in chats]
+        code_seqs, files = _code_windows(loaded, corpus_mb, seq_len, seed)
+        timings["text_s"] = time.perf_counter() - t0
+        held_chat, train_chat = _split(chat_seqs, holdout, seed)
+        held_code, train_code = _split(code_seqs, holdout, seed) if len(code_seqs) >= 2 else ([], code_seqs)
+
+        t0 = time.perf_counter()
+        train = _features(hf, lm_head, train_chat + train_code, batch_size, progress, "features (train)")
+        held = {"chat": _features(hf, lm_head, held_chat, batch_size, progress, "features (held-out chat)")}
+        if held_code:
+            held["code"] = _features(hf, lm_head, held_code, batch_size, progress, "features (held-out code)")
+        timings["features_s"] = time.perf_counter() - t0
+
+        drafter = EagleDrafter(Shape.for_model(hf.config, hidden, vocab))
+        t0 = time.perf_counter()
+        losses, points = _train(drafter, embed, readout, index, train, held, epochs, lr, batch_size, curve, rng,
+                                progress)  # fmt: skip
+        timings["train_s"] = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(old_threads)
+    final = points[-1]
+    train_tokens = sum(len(s[0]) for s in train)
+    meta: dict[str, Any] = {
+        "model": loaded.name,
+        "fingerprint": fingerprint,
+        "shape": asdict(drafter.shape),
+        "acceptance": final["acceptance"],  # per held-out set: [depth 1, depth 2]
+        "expected_tokens": final["expected_tokens"],
+        "train_tokens": train_tokens,
+        "corpus": {
+            "code": f"{corpus.LICENCE}, {corpus_mb} MB ({files} files, {len(train_code)} windows of "
+            f"{seq_len} tokens for training)",
+            "chat": f"the target's greedy replies to {prompts} ({len(train_chat)} for training)",
+        },  # fmt: skip
+        "draft_vocab": None if chosen is None else {k: v for k, v in chosen[1].items() if k != "ids"},
+        "curve": points,
+        "command": command or f"specgraph train --method eagle {model} -o {output}",
+    }
+    write_file(output, lambda tmp: save_drafter(tmp, drafter, meta), HEADS, inputs, force)
+    result = {**meta, "epoch_loss": [round(v, 5) for v in losses], "generation_cached": cached,
+              "timings": {k: round(v, 2) for k, v in timings.items()}}  # fmt: skip
+    if progress:
+        print(format_curve(result), file=sys.stderr)
+    return result
+
+
+def _code_windows(loaded: Any, mb: float, seq_len: int, seed: int) -> tuple[list[list[int]], int]:
+    """The standard library's text as windows of `seq_len` tokens (none without a tokenizer)."""
+    if loaded.tokenizer_dir is None or mb == 0:
+        return [], 0
+    tokenizer = load_tokenizer(loaded.tokenizer_dir)
+    texts, files = corpus.stdlib_text(mb, seed=seed)
+    windows = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        windows += [ids[i : i + seq_len] for i in range(0, len(ids) - 8, seq_len)]
+    return windows, files
+
+
+@torch.no_grad()
+def _features(hf: Any, lm_head: Any, seqs: list[list[int]], batch_size: int, progress: bool,
+              desc: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Per sequence: (tokens [L], features [L, H] bfloat16, the target's argmax [L])."""
+    out = []
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch
+    bar = tqdm(total=sum(len(s) for s in seqs), desc=desc, unit="tok", file=sys.stderr, disable=not progress)
+    for start in range(0, len(order), batch_size):
+        group = [seqs[i] for i in order[start : start + batch_size]]
+        width = max(len(s) for s in group)
+        ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in group])  # right padding: causal, unread
+        feats = hf.model(ids).last_hidden_state  # [b, W, H] after the final norm: the LM head's input
+        top = lm_head(feats).argmax(-1)  # [b, W]
+        for row, s in enumerate(group):
+            n = len(s)
+            out.append((ids[row, :n].clone(), feats[row, :n].to(torch.bfloat16), top[row, :n].clone()))
+        bar.update(sum(len(s) for s in group))
+    bar.close()
+    return out
+
+
+def _batch(embed, index, seqs, noise):  # type: ignore[no-untyped-def]
+    """Padded entries of sequences: inputs (embedding of x_{j+1}, feature f_j + noise), targets
+    (f_{j+1}, draft index of the target's argmax at j+1), and where they are real."""
+    width = max(len(s[0]) for s in seqs) - 1
+    b, h = len(seqs), embed.shape[1]
+    emb, feat, goal = torch.zeros(b, width, h), torch.zeros(b, width, h), torch.zeros(b, width, h)
+    label = torch.full((b, width), IGNORE, dtype=torch.int64)
+    real = torch.zeros(b, width, dtype=torch.bool)
+    for i, (tokens, f, top) in enumerate(seqs):
+        n = len(tokens) - 1
+        emb[i, :n] = embed[tokens[1:]]
+        f = f.to(torch.float32)
+        feat[i, :n], goal[i, :n] = f[:-1], f[1:]
+        label[i, :n] = index[top[1:]]
+        real[i, :n] = True
+    if noise:
+        rms = feat.pow(2).mean(-1, keepdim=True).sqrt()
+        feat = feat + torch.randn_like(feat) * noise * rms
+    return emb, feat, goal, label, real
+
+
+def _train(drafter, embed, readout, index, train, held, epochs, lr, batch_size, curve, rng, progress):  # type: ignore[no-untyped-def]
+    steps = epochs * math.ceil(len(train) / batch_size)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    marks = {round(steps * (i + 1) / curve) for i in range(curve)}
+    losses, points, seen, step, t0 = [], [], 0, 0, time.perf_counter()
+    bar = tqdm(total=steps, desc="train", unit="step", file=sys.stderr, disable=not progress)
+    for _ in range(epochs):
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        total, count = 0.0, 0
+        for start in range(0, len(order), batch_size):
+            batch = [train[i] for i in order[start : start + batch_size]]
+            emb, feat, goal, label, real = _batch(embed, index, batch, NOISE)
+            pred = drafter.sequence(emb, feat)
+            reg = torch.nn.functional.smooth_l1_loss(pred[real], goal[real])
+            ce = torch.nn.functional.cross_entropy((pred @ readout.T)[real], label[real], ignore_index=IGNORE)
+            loss = reg + CE_WEIGHT * ce
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            total, count, step = total + float(loss.detach()), count + 1, step + 1
+            seen += int(real.sum())
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+            if step in marks:
+                points.append({"train_tokens": seen, "seconds": round(time.perf_counter() - t0, 1),
+                               **_evaluate(drafter, embed, readout, index, held, batch_size)})  # fmt: skip
+        losses.append(total / max(count, 1))
+    bar.close()
+    return losses, points
+
+
+@torch.no_grad()
+def _evaluate(drafter, embed, readout, index, held, batch_size):  # type: ignore[no-untyped-def]
+    """Held-out acceptance per set: depth 1 (from the target's features) and depth 2 (from the
+    drafter's own), and the expected tokens per round of a 4-token chain that keeps depth 2's
+    rate further down: 1 + a1 (1 + a2 + a2^2 + a2^3)."""
+    acceptance, expected = {}, {}
+    drafter.eval()
+    for name, seqs in held.items():
+        hits, total = [0, 0], 0
+        for start in range(0, len(seqs), batch_size):
+            emb, feat, goal, label, real = _batch(embed, index, seqs[start : start + batch_size], 0.0)
+            pred = drafter.sequence(emb, feat)  # entry j: f'_{j+1}
+            hits[0] += int(((pred @ readout.T).argmax(-1) == label)[real].sum())
+            # depth 2: entry j+1 reads the predicted f'_{j+1} with x_{j+2}
+            own = torch.cat([feat[:, :1], pred[:, :-1]], dim=1)
+            pred2 = drafter.sequence(emb, own)
+            ok2 = ((pred2 @ readout.T).argmax(-1) == label) & real
+            hits[1] += int(ok2[:, 1:].sum())
+            total += int(real.sum())
+        a1, a2 = hits[0] / max(total, 1), hits[1] / max(total, 1)
+        acceptance[name] = [round(a1, 4), round(a2, 4)]
+        expected[name] = round(1 + a1 * (1 + a2 + a2**2 + a2**3), 3)
+    drafter.train()
+    return {"acceptance": acceptance, "expected_tokens": expected}
+
+
+def format_curve(result: dict[str, Any]) -> str:
+    """Held-out acceptance against training tokens, one line per measured point."""
+    sets = list(result["curve"][-1]["acceptance"])
+    head = "train tokens  seconds  " + "  ".join(f"{s}: depth1 depth2 tau(4)" for s in sets)
+    lines = [f"held-out acceptance ({result['train_tokens']} training tokens)", head]
+    for p in result["curve"]:
+        cells = "  ".join(f"{s}:  {p['acceptance'][s][0]:.3f}  {p['acceptance'][s][1]:.3f}  "
+                          f"{p['expected_tokens'][s]:.2f}" for s in sets)  # fmt: skip
+        lines.append(f"{p['train_tokens']:>12}  {p['seconds']:>7}  {cells}")
+    return "\n".join(lines)

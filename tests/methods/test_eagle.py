@@ -1,0 +1,197 @@
+"""`--method eagle`: an EAGLE drafter (one decoder layer on the target's features) proposes K
+tokens inside the engine call; the output must be exactly the target's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specgraph.compiler import CompileConfig, compile_model
+from specgraph.errors import InputError, ModelLoadError
+from specgraph.loaders import load_model
+from specgraph.methods.eagle.drafter import EagleDrafter, Shape, load_drafter, save_drafter
+from specgraph.methods.eagle.train import train_eagle
+from specgraph.methods.medusa.heads import model_fingerprint
+from specgraph.runtime import Engine
+from tests.greedy import assert_same_greedy, hf_greedy
+from tests.models.tiny import build
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 9, 5, 6],
+    [17, 3, 99, 42, 200, 13, 77],
+    list(range(30, 70)),
+]
+NEW_TOKENS = 48
+VOCAB = 256
+
+
+def random_drafter(folder: Path, path: Path, seed: int = 1) -> Path:
+    """An untrained drafter for the model in `folder` (its q is far from the target's p)."""
+    loaded = load_model(str(folder))
+    weight = loaded.hf_model.get_output_embeddings().weight
+    torch.manual_seed(seed)
+    drafter = EagleDrafter(Shape.for_model(loaded.hf_model.config, weight.shape[1], weight.shape[0]))
+    save_drafter(path, drafter, {"model": loaded.name, "fingerprint": model_fingerprint(loaded)})
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_folder, tiny_bundle, tmp_path_factory):
+    """A drafter trained on the tiny Llama's own greedy replies (it has no tokenizer: no code text)."""
+    folder = tmp_path_factory.mktemp("eagle_train")
+    gen = torch.Generator().manual_seed(3)
+    prompts = folder / "prompts.jsonl"
+    lines = [{"prompt_ids": torch.randint(2, VOCAB - 1, (5 + i % 7,), generator=gen).tolist()} for i in range(24)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = folder / "eagle.safetensors"
+    report = train_eagle(str(tiny_folder("llama")), out, prompts=str(prompts), max_new_tokens=48, epochs=30,
+                         lr=3e-3, batch_size=4, holdout=0.2, curve=2, threads=1, progress=False,
+                         engine_bundle=str(tiny_bundle("llama", "none")))  # fmt: skip
+    return report, out
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory, tiny_folder, trained):
+    """(weights, num_draft) -> an eagle bundle of the tiny Llama with the trained drafter."""
+    cache = {}
+
+    def get(weights: str = "fp32", num_draft: int = 3):
+        key = (weights, num_draft)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("eagle") / "bundle"
+            cfg = CompileConfig.of(tiny_folder("llama"), out, "eagle", max_context=160, weights=weights,
+                                   eagle=str(trained[1]), num_draft=num_draft)  # fmt: skip
+            compile_model(cfg)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+def test_training_reports_a_curve_and_writes_a_loadable_drafter(trained):
+    report, path = trained
+    drafter = load_drafter(path, 64, VOCAB)
+    assert drafter.meta["fingerprint"] == report["fingerprint"] and report["train_tokens"] > 0
+    assert len(report["curve"]) == 2 and report["curve"][0]["train_tokens"] < report["curve"][1]["train_tokens"]
+    depth1, depth2 = report["acceptance"]["chat"]
+    assert 0.1 < depth1 <= 1 and 0 <= depth2 <= 1  # far above chance (1/256): the replies are learnable
+
+
+def test_greedy_equals_hf_and_drafts_are_accepted(bundles, trained):
+    model = build("llama")
+    engine = Engine(bundles())
+    assert engine.manifest["method"] == "eagle" and engine.manifest["draft_depth"] == 3
+    taus = []
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+        taus.append(result.mean_accepted)
+    # the engine's drafts come from the features the training saw: they are accepted about as often
+    assert max(taus) > 1.3, taus
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantised_engines_equal_their_own_none_engine(bundles, tiny_folder, tmp_path, weights):
+    none = tmp_path / "none"
+    compile_model(CompileConfig.of(tiny_folder("llama"), none, "none", max_context=160, weights=weights))
+    plain, eagle = Engine(none), Engine(bundles(weights))
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, max_new_tokens=32, stop_at_eos=False).output_ids
+        assert eagle.generate(prompt, max_new_tokens=32, stop_at_eos=False).output_ids == want
+
+
+def test_batch_rows_emit_what_each_would_alone(bundles):
+    engine = Engine(bundles())
+    rows = [PROMPTS[0][:7], PROMPTS[1], PROMPTS[2][:3]]
+    batch = engine.generate_batch(rows, max_new_tokens=32, stop_at_eos=False)
+    for row, result in zip(rows, batch, strict=True):
+        assert result.output_ids == engine.generate(row, max_new_tokens=32, stop_at_eos=False).output_ids
+
+
+def test_seeded_sampling_is_reproducible_and_stays_in_the_targets_support(bundles):
+    model = build("llama")
+    engine = Engine(bundles())
+    assert engine.manifest["sampling"]["streams"] == 3
+    kwargs = dict(max_new_tokens=32, stop_at_eos=False, temperature=0.8, top_k=5, seed=11)
+    got = engine.generate(PROMPTS[0], **kwargs)
+    assert engine.generate(PROMPTS[0], **kwargs).output_ids == got.output_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0] + got.output_ids])).logits[0, len(PROMPTS[0]) - 1 : -1]
+    top5 = logits.topk(5, dim=-1).indices
+    assert all(tok in top5[i].tolist() for i, tok in enumerate(got.output_ids))
+
+
+def test_writes_no_cache_slot_past_the_end(bundles):
+    engine = Engine(bundles())
+    result = engine.generate(list(range(1, 120)), max_new_tokens=200, stop_at_eos=False)
+    assert result.stop_reason == "max_context"
+    assert len(result.prompt_ids) + len(result.output_ids) + engine.extra_slots <= engine.max_context
+
+
+def test_source_gguf_engine_equals_its_none_engine(tmp_path):
+    """Q4_1 blocks run as stored: the drafter reads the quantised embedding table and LM head rows."""
+    from tests.models.tiny_gguf import write_llama_gguf
+
+    gguf = write_llama_gguf(tmp_path / "m.gguf", "Q4_1")
+    drafter = random_drafter(gguf, tmp_path / "e.safetensors")
+    engines = {}
+    for method, own in (("none", {}), ("eagle", {"eagle": str(drafter), "num_draft": 3})):
+        compile_model(CompileConfig.of(gguf, tmp_path / method, method, max_context=96, **own))
+        engines[method] = Engine(tmp_path / method)
+    formats = [engines[m].manifest["weights"]["formats"]["Q4_1"] for m in ("none", "eagle")]
+    assert formats[1] == formats[0] + 1  # the readout: rows of the LM head, still its stored blocks
+    for prompt in PROMPTS[:2]:
+        want = engines["none"].generate(prompt, max_new_tokens=24, stop_at_eos=False).output_ids
+        assert engines["eagle"].generate(prompt, max_new_tokens=24, stop_at_eos=False).output_ids == want
+
+
+def test_a_drafter_for_another_model_is_refused(tiny_folder, tmp_path):
+    other = random_drafter(tiny_folder("llama-v8"), tmp_path / "v8.safetensors")  # vocabulary 8
+    cfg = CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "eagle", max_context=64, eagle=str(other))
+    with pytest.raises(InputError, match="trained for a vocabulary of 8") as err:
+        compile_model(cfg)
+    assert "\n" not in str(err.value) and not (tmp_path / "b").exists()
+    gemma = random_drafter(tiny_folder("gemma3"), tmp_path / "g.safetensors")
+    cfg = CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "eagle", max_context=64, eagle=str(gemma))
+    with pytest.raises(InputError, match="hidden size|vocabulary|another model"):
+        compile_model(cfg)
+
+
+def test_a_drafter_of_the_same_shape_for_another_model_is_refused(tiny_folder, tmp_path):
+    from tests.models.tiny import save
+
+    other = save("llama", tmp_path / "other", seed=7)  # same sizes, other weights: another fingerprint
+    path = random_drafter(other, tmp_path / "e.safetensors")
+    cfg = CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "eagle", max_context=64, eagle=str(path))
+    with pytest.raises(InputError, match="trained for another model"):
+        compile_model(cfg)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a safetensors file at all", b"\x08\x00\x00\x00\x00\x00\x00\x00{}"])
+def test_a_corrupt_drafter_file_is_one_line(tiny_folder, tmp_path, content):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError) as err:
+        load_drafter(path, 64, VOCAB)
+    assert "\n" not in str(err.value)
+
+
+def test_the_cli_refuses_a_missing_drafter_in_one_line(tiny_folder, tmp_path, capsys):
+    from specgraph.cli import main
+
+    folder = tiny_folder("llama")
+    capsys.readouterr()  # what making the model printed
+    code = main(["compile", str(folder), "--method", "eagle", "--eagle", str(tmp_path / "none.st"),
+                 "--max-context", "64", "-o", str(tmp_path / "b")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1 and "no such EAGLE drafter file" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_model_without_a_shipped_drafter_needs_one(tiny_folder, tmp_path):
+    cfg = CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "eagle", max_context=64)
+    with pytest.raises(InputError, match="needs --eagle"):
+        compile_model(cfg)
