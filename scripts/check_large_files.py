@@ -2,8 +2,9 @@
 """Refuse files over 1 MiB, so a bundle, an ONNX weight file or a profile dump never lands.
 
 pre-commit passes the staged files (every tracked file with `--all-files`); without arguments
-the script checks every file git tracks. The only large files allowed are the shipped drafter
-heads (specgraph/data/heads/smollm2-135m-medusa4.safetensors is 5.3 MB), up to their own limit.
+the script checks every file git tracks. The only large files allowed are the shipped
+drafters (specgraph/data/heads/: the Medusa heads are 5.3 MB, the EAGLE layer 8.4 MB),
+up to their own limit.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 LIMIT = 1 << 20  # 1 MiB
-ALLOWED = {"specgraph/data/heads/*.safetensors": 8 << 20}  # pattern -> its own limit
+ALLOWED = {"specgraph/data/heads/*.safetensors": 9 << 20}  # pattern -> its own limit
 
 
 def _limit(path: str) -> int:

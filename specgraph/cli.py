@@ -80,7 +80,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for the engine's uniforms: the same seed gives the same text (and the same text as "
-                        "--method none, except with --method draft, whose drafts are sampled too) "
+                        "--method none, except with --method draft or eagle, whose drafts are sampled too) "
                         "(default: a fresh seed, reported in --json output)")  # fmt: skip
 
 

@@ -244,29 +244,35 @@ class DraftMethod(Method):
         return Built(engine, {"weights_skip": "draft_gm."})
 
     def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
-        from specgraph import blocks
-        from specgraph.exporters.nbits import run_weights_as_blocks
-
         opts: DraftOptions = cfg.opts
         engine = built.engine
         assert isinstance(engine, DraftStepEngine)
         section: dict[str, Any] = {"draft": opts.draft, "num_draft": opts.num_draft, "weights": "float32"}
         bits = SELF.get(opts.draft)
         if bits is not None:
-            own = lambda name, w: (  # noqa: E731
-                [blocks.quantize(w, bits, opts.draft_block_size)]
-                if name.startswith("draft_gm.") and w.shape[1] % opts.draft_block_size == 0
-                else None
-            )
-            report = run_weights_as_blocks(staging / "model.onnx", own, accuracy_level=4, tables="draft_gm.")
-            section["weights"] = {"weights": f"int{bits}", "activations": "int8", "block_size": opts.draft_block_size,
-                                  "matmuls": report.matmuls, "float32_bytes": report.float_bytes,
-                                  "block_bytes": report.stored_bytes}  # fmt: skip
+            section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size)
         summary = f"draft {opts.draft}, {opts.num_draft} tokens per round"
         if engine.vocab_ids is not None:
             section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
             summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
         return Finished(section, draft_depth=opts.num_draft, report={**section, "summary": summary})
+
+
+def quantise_drafter(staging: Path, bits: int, block_size: int) -> dict[str, Any]:
+    """Run the staged engine's drafter matrices (`draft_gm.*`) as `bits`-bit blocks with int8
+    activations (`exporters/nbits.py`, accuracy level 4): a drafter only proposes, so its
+    arithmetic costs acceptance, never exactness. Returns the manifest's description."""
+    from specgraph import blocks
+    from specgraph.exporters.nbits import run_weights_as_blocks
+
+    own = lambda name, w: (  # noqa: E731
+        [blocks.quantize(w, bits, block_size)]
+        if name.startswith("draft_gm.") and w.shape[1] % block_size == 0
+        else None
+    )
+    report = run_weights_as_blocks(staging / "model.onnx", own, accuracy_level=4, tables="draft_gm.")
+    return {"weights": f"int{bits}", "activations": "int8", "block_size": block_size, "matmuls": report.matmuls,
+            "float32_bytes": report.float_bytes, "block_bytes": report.stored_bytes}  # fmt: skip
 
 
 def _reduce_readout(gm: torch.fx.GraphModule, lm_head: torch.fx.Node, ids: torch.Tensor) -> None:

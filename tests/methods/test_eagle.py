@@ -141,11 +141,38 @@ def test_source_gguf_engine_equals_its_none_engine(tmp_path):
     for method, own in (("none", {}), ("eagle", {"eagle": str(drafter), "num_draft": 3})):
         compile_model(CompileConfig.of(gguf, tmp_path / method, method, max_context=96, **own))
         engines[method] = Engine(tmp_path / method)
-    formats = [engines[m].manifest["weights"]["formats"]["Q4_1"] for m in ("none", "eagle")]
-    assert formats[1] == formats[0] + 1  # the readout: rows of the LM head, still its stored blocks
+    assert engines["eagle"].manifest["weights"] == engines["none"].manifest["weights"]  # the target's: as stored
+    assert engines["eagle"].manifest["eagle"]["weights"]["weights"] == "int8"  # the drafter's own blocks
     for prompt in PROMPTS[:2]:
         want = engines["none"].generate(prompt, max_new_tokens=24, stop_at_eos=False).output_ids
         assert engines["eagle"].generate(prompt, max_new_tokens=24, stop_at_eos=False).output_ids == want
+
+
+def test_a_float_drafter_is_exact_and_accepted_as_often(bundles, tiny_folder, trained, tmp_path):
+    """--eagle-weights fp32 keeps the drafter's matrices float: still exact, and its drafts are
+    accepted at least as often as the default int8 drafter's on these prompts."""
+    cfg = CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "eagle", max_context=160, eagle=str(trained[1]),
+                           num_draft=3, eagle_weights="fp32")  # fmt: skip
+    compile_model(cfg)
+    float_engine, int8_engine = Engine(tmp_path / "b"), Engine(bundles())
+    assert float_engine.manifest["eagle"]["weights"] == "float32"
+    model = build("llama")
+    taus = {"fp32": [], "int8": []}
+    for prompt in PROMPTS:
+        want = hf_greedy(model, prompt, NEW_TOKENS)
+        for name, engine in (("fp32", float_engine), ("int8", int8_engine)):
+            got = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+            assert_same_greedy(model, prompt, got.output_ids, want)
+            taus[name].append(got.mean_accepted)
+    assert sum(taus["fp32"]) >= 0.9 * sum(taus["int8"]), taus
+
+
+def test_bad_options_are_refused(tiny_folder, tmp_path):
+    for options, message in (({"eagle_weights": "int3"}, "--eagle-weights must be one of"),
+                             ({"num_draft": 0}, "--num-draft must be between 1 and 16"),
+                             ({"draft_vocab": -1}, "--draft-vocab must be 0")):  # fmt: skip
+        with pytest.raises(InputError, match=message):
+            CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "eagle", **options).check()
 
 
 def test_a_drafter_for_another_model_is_refused(tiny_folder, tmp_path):

@@ -29,7 +29,7 @@ import torch
 from specgraph import draft_vocab
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
-from specgraph.methods.draft import ModelDrafts
+from specgraph.methods.draft import ModelDrafts, quantise_drafter
 from specgraph.methods.eagle.drafter import EagleDrafter, load_drafter
 from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.passes._infra import PassContext, PassResult, cleanup, output_values, set_outputs
@@ -40,6 +40,8 @@ DRAFT_VOCAB = draft_vocab.MEDUSA_DEFAULT  # tokens the readout scores where the 
 # The drafters that ship with the package, by the fingerprint of the model they were trained for
 SHIPPED = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-eagle.safetensors"}  # SmolLM2-135M-Instruct
 _DIR = Path(__file__).resolve().parents[2] / "data" / "heads"
+DRAFTER_WEIGHTS = {"int8": 8, "int4": 4, "fp32": None}  # --eagle-weights: bits of the drafter's blocks
+DRAFTER_BLOCK = 32  # weights per block of the drafter's matrices
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,11 @@ class EagleOptions(Options):
     num_draft: int = 4  # K: draft tokens per round
     draft_vocab: int | None = None  # tokens the readout scores; None: DRAFT_VOCAB with a ranking; 0: all
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
+    eagle_weights: str = "int8"  # the drafter's matrices: int8 or int4 blocks (int8 activations), or fp32
 
     def check(self) -> None:
+        if self.eagle_weights not in DRAFTER_WEIGHTS:
+            raise InputError(f"--eagle-weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {self.eagle_weights!r}")
         if not 1 <= self.num_draft <= 16:
             raise InputError(f"--num-draft must be between 1 and 16 for --method eagle, got {self.num_draft}")
         if self.draft_vocab is not None and (int(self.draft_vocab) != self.draft_vocab or self.draft_vocab < 0):
@@ -133,6 +138,9 @@ class EagleMethod(Method):
         group.add_argument(
             "--eagle", help="eagle: drafter file from `specgraph train --method eagle` (default: the shipped one)"
         )
+        group.add_argument("--eagle-weights", choices=list(DRAFTER_WEIGHTS),
+                           help="eagle: the drafter's matrices as int8 (the default) or int4 blocks with int8 "
+                                "activations, or fp32; it only proposes, so this costs acceptance, never exactness")  # fmt: skip
         group.add_argument("--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft, eagle: 4)")
         draft_vocab.add_flags(group)
 
@@ -181,13 +189,18 @@ class EagleMethod(Method):
                                  cfg.engine_samples, drafter=drafter, embed_weight=str(embed.target),
                                  lm_head_weight=str(head.target), num_draft=cfg.opts.num_draft,
                                  vocab_size=anatomy.vocab_size)  # fmt: skip
-        return Built(engine)
+        # the target's weights follow --weights; the drafter's follow --eagle-weights (in `finish`)
+        return Built(engine, {"weights_skip": "draft_gm."})
 
     def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
         engine = built.engine
         assert isinstance(engine, EagleStepEngine)
         meta = engine.draft_gm.meta
-        section: dict[str, Any] = {"num_draft": cfg.opts.num_draft, "drafter": cfg.opts.eagle or "shipped"}
+        section: dict[str, Any] = {"num_draft": cfg.opts.num_draft, "drafter": cfg.opts.eagle or "shipped",
+                                   "weights": "float32"}  # fmt: skip
+        bits = DRAFTER_WEIGHTS[cfg.opts.eagle_weights]
+        if bits is not None:
+            section["weights"] = quantise_drafter(staging, bits, DRAFTER_BLOCK)
         section["trained"] = {k: meta[k] for k in ("model", "acceptance", "expected_tokens", "train_tokens",
                                                    "command") if k in meta}  # fmt: skip
         summary = f"EAGLE drafter, {cfg.opts.num_draft} tokens per round"

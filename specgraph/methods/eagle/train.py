@@ -104,7 +104,9 @@ def train_eagle(
         t0 = time.perf_counter()
         chats, cached = _generate(model, loaded, prompts, output, max_new_tokens, threads, engine_bundle, progress,
                                   (inputs, force))  # fmt: skip
-        chat_seqs = [(p + r)[-seq_len:] for p, r in chats]
+        # a reply's entries count from its prompt's last position on (the first draft of a reply
+        # comes from there); the chat template and prompt before it are context only
+        chat_seqs = [((p + r)[-seq_len:], max(0, len(p) - 1 - max(0, len(p) + len(r) - seq_len))) for p, r in chats]
         code_seqs, files = _code_windows(loaded, corpus_mb, seq_len, seed)
         timings["text_s"] = time.perf_counter() - t0
         held_chat, train_chat = _split(chat_seqs, holdout, seed)
@@ -125,7 +127,7 @@ def train_eagle(
     finally:
         torch.set_num_threads(old_threads)
     final = points[-1]
-    train_tokens = sum(len(s[0]) for s in train)
+    train_tokens = sum(len(s[0]) - 1 - s[3] for s in train)  # the entries the loss counts
     meta: dict[str, Any] = {
         "model": loaded.name,
         "fingerprint": fingerprint,
@@ -150,8 +152,9 @@ def train_eagle(
     return result
 
 
-def _code_windows(loaded: Any, mb: float, seq_len: int, seed: int) -> tuple[list[list[int]], int]:
-    """The standard library's text as windows of `seq_len` tokens (none without a tokenizer)."""
+def _code_windows(loaded: Any, mb: float, seq_len: int, seed: int) -> tuple[list[tuple[list[int], int]], int]:
+    """The standard library's text as windows of `seq_len` tokens (none without a tokenizer),
+    each with its first counted entry (0: all of them)."""
     if loaded.tokenizer_dir is None or mb == 0:
         return [], 0
     tokenizer = load_tokenizer(loaded.tokenizer_dir)
@@ -159,46 +162,47 @@ def _code_windows(loaded: Any, mb: float, seq_len: int, seed: int) -> tuple[list
     windows = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        windows += [ids[i : i + seq_len] for i in range(0, len(ids) - 8, seq_len)]
+        windows += [(ids[i : i + seq_len], 0) for i in range(0, len(ids) - 8, seq_len)]
     return windows, files
 
 
 @torch.no_grad()
-def _features(hf: Any, lm_head: Any, seqs: list[list[int]], batch_size: int, progress: bool,
-              desc: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """Per sequence: (tokens [L], features [L, H] bfloat16, the target's argmax [L])."""
+def _features(hf: Any, lm_head: Any, seqs: list[tuple[list[int], int]], batch_size: int, progress: bool,
+              desc: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:  # fmt: skip
+    """Per (sequence, first counted entry): (tokens [L], features [L, H] bfloat16, the target's
+    argmax [L], the first counted entry)."""
     out = []
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch
-    bar = tqdm(total=sum(len(s) for s in seqs), desc=desc, unit="tok", file=sys.stderr, disable=not progress)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a batch
+    bar = tqdm(total=sum(len(s) for s, _ in seqs), desc=desc, unit="tok", file=sys.stderr, disable=not progress)
     for start in range(0, len(order), batch_size):
         group = [seqs[i] for i in order[start : start + batch_size]]
-        width = max(len(s) for s in group)
-        ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in group])  # right padding: causal, unread
+        width = max(len(s) for s, _ in group)
+        ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s, _ in group])  # right padding: causal, unread
         feats = hf.model(ids).last_hidden_state  # [b, W, H] after the final norm: the LM head's input
         top = lm_head(feats).argmax(-1)  # [b, W]
-        for row, s in enumerate(group):
+        for row, (s, first) in enumerate(group):
             n = len(s)
-            out.append((ids[row, :n].clone(), feats[row, :n].to(torch.bfloat16), top[row, :n].clone()))
-        bar.update(sum(len(s) for s in group))
+            out.append((ids[row, :n].clone(), feats[row, :n].to(torch.bfloat16), top[row, :n].clone(), first))
+        bar.update(sum(len(s) for s, _ in group))
     bar.close()
     return out
 
 
 def _batch(embed, index, seqs, noise):  # type: ignore[no-untyped-def]
     """Padded entries of sequences: inputs (embedding of x_{j+1}, feature f_j + noise), targets
-    (f_{j+1}, draft index of the target's argmax at j+1), and where they are real."""
+    (f_{j+1}, draft index of the target's argmax at j+1), and which entries count."""
     width = max(len(s[0]) for s in seqs) - 1
     b, h = len(seqs), embed.shape[1]
     emb, feat, goal = torch.zeros(b, width, h), torch.zeros(b, width, h), torch.zeros(b, width, h)
     label = torch.full((b, width), IGNORE, dtype=torch.int64)
     real = torch.zeros(b, width, dtype=torch.bool)
-    for i, (tokens, f, top) in enumerate(seqs):
+    for i, (tokens, f, top, first) in enumerate(seqs):
         n = len(tokens) - 1
         emb[i, :n] = embed[tokens[1:]]
         f = f.to(torch.float32)
         feat[i, :n], goal[i, :n] = f[:-1], f[1:]
         label[i, :n] = index[top[1:]]
-        real[i, :n] = True
+        real[i, first:n] = True  # entries before `first` (a reply's prompt) are context only
     if noise:
         rms = feat.pow(2).mean(-1, keepdim=True).sqrt()
         feat = feat + torch.randn_like(feat) * noise * rms
