@@ -203,8 +203,8 @@ def test_one_prompt_is_too_few(pair, tmp_path, capsys):
 
 
 def test_unknown_method_and_bad_batches(pair, ids_file, capsys):
-    one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--methods", "lookup,eagle"),
-                   "unknown method 'eagle'")  # fmt: skip
+    one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--methods", "lookup,nonsense"),
+                   "unknown method 'nonsense'")  # fmt: skip
     one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--batch", "1,65"), "1 to 64")
     one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--batch", "0"), "1 to 64")
     one_line_error(capsys, _advise(pair, "--prompts", str(ids_file), "--batch", "four"), "integers")

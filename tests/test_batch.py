@@ -17,6 +17,7 @@ from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams, uniform_stream
 from specgraph.step import MAX_BATCH
 from tests.greedy import assert_same_greedy, assert_same_sampled, hf_greedy
+from tests.methods.test_eagle import random_drafter
 from tests.models.tiny import build
 from tests.test_medusa import _heads
 
@@ -33,12 +34,19 @@ def model():
 @pytest.fixture(scope="module")
 def bundle(tiny_bundle, tiny_folder, tmp_path_factory):
     """method -> a bundle of the tiny Llama (max context 160 for all, so seeded rows draw the same
-    uniforms); Medusa gets seeded random heads, as in test_medusa.py."""
+    uniforms); Medusa gets seeded random heads, as in test_medusa.py, EAGLE an untrained drafter."""
     cache = {}
 
     def get(method: str):
         if method not in cache:
-            if methods.get(method).options_type is MedusaOptions:
+            if method == "eagle":
+                tmp = tmp_path_factory.mktemp("batch_eagle")
+                drafter = random_drafter(tiny_folder("llama"), tmp / "eagle.safetensors")
+                cfg = CompileConfig.of(tiny_folder("llama"), tmp / "bundle", method, max_context=160,
+                                       eagle=str(drafter), num_draft=3)  # fmt: skip
+                compile_model(cfg)
+                cache[method] = cfg.output
+            elif methods.get(method).options_type is MedusaOptions:
                 tmp = tmp_path_factory.mktemp("batch_medusa")
                 cfg = CompileConfig.of(tiny_folder("llama"), tmp / "bundle", method, max_context=160,
                                      heads=str(_heads(tmp)))  # fmt: skip
@@ -110,8 +118,9 @@ def test_a_one_token_row_padded_to_the_tree_size_is_verified_as_a_tree(bundle, m
 
 
 # Seeded text equals `none`'s for drafters whose proposals are point masses verified by the
-# shared equality rule; `draft` is moving to the general rule (min(1, p/q)), so it is tested greedy only.
-SEEDED = [m for m in methods.names() if methods.get(m).speculative and m != "draft"]
+# shared equality rule; `draft` and `eagle` sample their drafts (the general rule, min(1, p/q)),
+# so their text equals `none`'s in law only (tests/test_sampling.py): here they are tested greedy.
+SEEDED = [m for m in methods.names() if methods.get(m).speculative and m not in ("draft", "eagle")]
 
 
 @pytest.mark.parametrize("method", SEEDED)

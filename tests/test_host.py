@@ -76,8 +76,10 @@ def ort_lib() -> Path:
 @pytest.fixture(scope="session")
 def bundles(tiny_bundle, tiny_folder, tmp_path_factory) -> dict[str, Path]:
     """Tiny llama bundles: none and lookup from conftest, medusa with seeded random heads, draft
-    with another tiny llama as the draft (sampled drafts: 3 uniforms per position, q as state)."""
+    with another tiny llama as the draft (sampled drafts: 3 uniforms per position, q as state),
+    eagle with an untrained drafter (its cache as state, its features an added target output)."""
     from specgraph.methods.medusa.heads import MedusaHeads, save_heads
+    from tests.methods.test_eagle import random_drafter
     from tests.models.tiny import VOCAB, save
 
     tmp = tmp_path_factory.mktemp("host_medusa")
@@ -94,8 +96,11 @@ def bundles(tiny_bundle, tiny_folder, tmp_path_factory) -> dict[str, Path]:
     draft = tmp / "draft_bundle"
     specgraph.compile(tiny_folder("llama"), draft, method="draft", max_context=160, num_draft=3,
                       draft=str(save("llama", tmp / "other_llama", seed=7)))  # fmt: skip
+    eagle = tmp / "eagle_bundle"
+    drafter = random_drafter(tiny_folder("llama"), tmp / "eagle.safetensors")
+    specgraph.compile(tiny_folder("llama"), eagle, method="eagle", max_context=160, num_draft=3, eagle=str(drafter))
     return {"none": tiny_bundle("llama", "none"), "lookup": tiny_bundle("llama", "lookup"), "medusa": medusa,
-            "draft": draft}  # fmt: skip
+            "draft": draft, "eagle": eagle}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -177,7 +182,7 @@ def test_every_ort_slot_does_what_its_index_promises(host, ort_lib, bundles, met
 # --- the same tokens as the Python host ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "draft"])
+@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "draft", "eagle"])
 def test_same_tokens_as_python(host, ort_lib, bundles, engines, method):
     """Greedy and seeded sampling (T 0.7 with top-p 0.9, with and without top-k; top-k alone)."""
     for prompt in PROMPTS:
