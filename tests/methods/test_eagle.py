@@ -17,14 +17,9 @@ from specgraph.methods.eagle.train import train_eagle
 from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
+from tests.methods.test_draft import NEW_TOKENS, PROMPTS
 from tests.models.tiny import build
 
-PROMPTS = [
-    [5, 6, 7, 8, 5, 6, 7, 9, 5, 6],
-    [17, 3, 99, 42, 200, 13, 77],
-    list(range(30, 70)),
-]
-NEW_TOKENS = 48
 VOCAB = 256
 
 
