@@ -73,6 +73,12 @@ def check_size(size: int, vocab_size: int) -> int:
     return vocab_size if size == 0 else size
 
 
+def check_option(size: int | None) -> None:
+    """A method's `draft_vocab` option before the model is known: None, 0 or a positive size."""
+    if size is not None and (int(size) != size or size < 0):
+        raise InputError(f"--draft-vocab must be 0 (the whole vocabulary) or a positive size, got {size}")
+
+
 MEDUSA_DEFAULT = 8192  # Medusa's heads where the model has a ranking (docs/benchmarks.md); draft: all tokens
 DEFAULTS = f"Default: medusa {MEDUSA_DEFAULT} where a token ranking ships for the model (smollm2-135m), else 0; draft 0"
 

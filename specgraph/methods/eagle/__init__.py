@@ -57,10 +57,7 @@ class EagleOptions(Options):
             raise InputError(f"--eagle-weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {self.eagle_weights!r}")
         if not 1 <= self.num_draft <= 16:
             raise InputError(f"--num-draft must be between 1 and 16 for --method eagle, got {self.num_draft}")
-        if self.draft_vocab is not None and (int(self.draft_vocab) != self.draft_vocab or self.draft_vocab < 0):
-            raise InputError(
-                f"--draft-vocab must be 0 (the whole vocabulary) or a positive size, got {self.draft_vocab}"
-            )
+        draft_vocab.check_option(self.draft_vocab)
 
     def files(self) -> list[str | Path | None]:
         return [self.eagle, self.draft_vocab_file]

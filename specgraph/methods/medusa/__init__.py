@@ -46,10 +46,7 @@ class MedusaOptions(Options):
     def check(self) -> None:
         if self.acceptance not in ("greedy", "typical"):
             raise InputError(f"--acceptance {self.acceptance!r}: choose greedy or typical")
-        if self.draft_vocab is not None and (int(self.draft_vocab) != self.draft_vocab or self.draft_vocab < 0):
-            raise InputError(
-                f"--draft-vocab must be 0 (the whole vocabulary) or a positive size, got {self.draft_vocab}"
-            )
+        draft_vocab.check_option(self.draft_vocab)
         if self.tree != "auto":
             named_or_file(self.tree)  # a bad tree file fails now, not after the export
 
