@@ -165,27 +165,24 @@ def dims(max_context: int) -> tuple[torch.export.Dim, torch.export.Dim]:
 def _chain_targets(tokens, logits, n_fixed, params, u, q=None):  # type: ignore[no-untyped-def]
     """The target's token after each position under speculative sampling; `accept_chain` keeps
     the drafts that equal it. q [B, K, V]: the proposals of the drafts tokens[:, n_fixed:], and u
-    [B, T, 2] the accept and residual draws: the general rule (`sampling.speculative_draw`).
+    [B, T, 2] the accept and residual draws: the general rule (`sampling.speculative`).
     q None (point-mass drafts) and u [B, T]: the same rule's closed form for one-hot q, x[t] ~ p~
     by inverse CDF with u[t] (argmax at temperature 0), which needs neither q nor the drafts (see
     sampling.py for why the two coincide)."""
     if q is None:
         return torch.ops.specgraph.sample(logits, n_fixed - 1, *params, u)
-    b, t = tokens.shape
-    k, v = q.shape[1], q.shape[2]
+    t, k = tokens.shape[1], q.shape[1]
     # Only the last K + 1 positions can be read (at most K drafts follow the given tokens), so p~
     # is computed there alone: a prefill of P tokens must not filter P rows of the vocabulary.
     # Positions before the window carry no proposal; in a call whose given tokens end earlier (a
     # ragged batch's padded prefill row) they are drawn from p~ alone, with the residual stream.
     w = torch.sym_min(t, k + 1)  # [B, W] window
-    p = torch.ops.specgraph.filtered(logits[:, t - w :], *params)  # [B, W, V] p~ (one-hot at temperature 0)
     d = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)[:, t - w :]  # [B, W] the draft after each position
     idx = torch.arange(t - w, t, dtype=_I64)[None, :]  # [1, W] the window's positions
     which = idx - (n_fixed[:, None] - 1)  # [B, W] which carried proposal drew that draft
     has_draft = (which >= 0) & (idx < t - 1)  # the last position has no draft after it
-    q_t = q.gather(1, which.clamp(0, k - 1)[..., None].expand(b, w, v))  # [B, W, V]
-    q_t = q_t * has_draft[..., None].to(q_t.dtype)  # q = 0 where no draft: draw from p
-    x = sampling.speculative_draw(p, q_t, d, u[:, t - w :, 0], u[:, t - w :, 1])  # [B, W]
+    which = torch.where(has_draft, which.clamp(max=k - 1), -1)  # -1: q = 0, draw from p~
+    x = torch.ops.specgraph.speculative(logits[:, t - w :], q, which, d, *params, u[:, t - w :, 0], u[:, t - w :, 1])
     first = torch.clamp(n_fixed - 1, max=t - w)  # == T - W (nothing to draw) in every unpadded call
     before = torch.ops.specgraph.sample(logits[:, : t - w], first, *params, u[:, : t - w, 1])  # [B, T-W]
     return torch.cat([before, x], dim=1)  # [B, T]

@@ -88,9 +88,9 @@ def _siblings_as_if_alone(row, children, tokens, params, u):  # type: ignore[no-
     return torch.where(hit.to(torch.int64).amax(dim=-1, keepdim=True) > 0, tokens.gather(1, first), x)
 
 
-def _residual_is_p(p, q):  # type: ignore[no-untyped-def]
-    """BROKEN on purpose: after rejecting a draft d ~ q, draw from p itself instead of
-    max(0, p - q); tokens q over-proposes then come out too often."""
+def _residual_is_p(op, p, q):  # type: ignore[no-untyped-def]
+    """BROKEN on purpose (the rule's ONNX form): after rejecting a draft d ~ q, draw from p itself
+    instead of max(0, p - q); tokens q over-proposes then come out too often."""
     return p
 
 
@@ -106,7 +106,7 @@ def _uniform_reused(uniforms, positions):  # type: ignore[no-untyped-def]
         ("lookup", specgraph.step, "_chain_targets", _residual_forgotten),
         ("medusa", specgraph.step_tree, "_node_draw", _siblings_as_if_alone),
         ("none", specgraph.sampling, "position_uniforms", _uniform_reused),
-        ("draft", specgraph.sampling, "residual", _residual_is_p),
+        ("draft", specgraph.sampling, "residual_onnx", _residual_is_p),
     ],
 )
 def test_the_same_test_rejects_a_broken_rule(method, module, name, broken, v8, monkeypatch):
@@ -172,6 +172,84 @@ def test_sample_op_draws_the_reference_inverse_cdf(sample_session):
                 assert onnx_x[i, j] == want and eager_x[i, j] == want, (v, temp, k, p)
                 checked += 1
     assert checked > 400
+
+
+def _export_op(module, args, dyn, names, outputs, path):  # type: ignore[no-untyped-def]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, opset_version=24, input_names=names,
+                                    output_names=outputs, dynamic_shapes=dyn, custom_translation_table=ONNX_TRANSLATIONS)  # fmt: skip
+    program.save(str(path))
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+class _RuleOps(torch.nn.Module):
+    def forward(self, logits, q, which, d, temperature, top_k, top_p, u_accept, u_residual):  # type: ignore[no-untyped-def]
+        x = torch.ops.specgraph.speculative(logits, q, which, d, temperature, top_k, top_p, u_accept, u_residual)
+        drafted, q_drafted = torch.ops.specgraph.propose(logits, temperature, top_k, top_p, u_accept)
+        return x, drafted, q_drafted
+
+
+def test_rule_ops_follow_the_reference_and_a_greedy_call_is_the_argmax(tmp_path):
+    """`speculative` (the general rule) and `propose` (a drafter's draw and q) in ONNX and eager
+    give what a float64 reference gives (away from a boundary), and every greedy row, in a
+    greedy call or a mixed one, is the argmax with q = 0; the ONNX forms compute nothing for
+    a call whose rows are all greedy."""
+    b_, w_, v_, k_ = (torch.export.Dim(n, min=1, max=512) for n in "bwvk")
+    args = (torch.randn(2, 3, 300), torch.rand(2, 2, 300), torch.tensor([[0, 1, -1], [1, -1, 0]]),
+            torch.zeros(2, 3, dtype=torch.int64), torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
+            torch.rand(2, 3), torch.rand(2, 3))  # fmt: skip
+    dyn = ({0: b_, 1: w_, 2: v_}, {0: b_, 1: k_, 2: v_}, {0: b_, 1: w_}, {0: b_, 1: w_}, {0: b_}, {0: b_}, {0: b_},
+           {0: b_, 1: w_}, {0: b_, 1: w_})  # fmt: skip
+    names = ["logits", "q", "which", "d", "temperature", "top_k", "top_p", "u_accept", "u_residual"]
+    session = _export_op(_RuleOps(), args, dyn, names, ["x", "drafted", "q_drafted"], tmp_path / "rule.onnx")
+    rng = np.random.default_rng(1)
+    checked = 0
+    for case in range(150):
+        b, w, k, v = (
+            int(rng.integers(1, 4)),
+            int(rng.integers(1, 5)),
+            int(rng.integers(1, 4)),
+            int(rng.choice([7, 300, 3000])),
+        )
+        logits = (rng.standard_normal((b, w, v)) * rng.uniform(0.5, 4)).astype(np.float32)
+        temps = rng.choice([0, 0.7, 1, 1.5], b).astype(np.float32) if case % 3 else np.zeros(b, np.float32)
+        top_k, top_p = rng.choice([0, 1, 3, 50], b), rng.choice([1, 0.9, 0.5], b).astype(np.float32)
+        q = np.stack([[filter_logits(rng.standard_normal(v) * 2, 1.0, 0, 1.0) for _ in range(k)] for _ in range(b)])
+        q = q.astype(np.float32)
+        which = rng.integers(-1, k, (b, w))
+        # half the drafts are the draft's likeliest token, so acceptance happens
+        d = np.where(
+            rng.random((b, w)) < 0.5, q.argmax(-1)[np.arange(b)[:, None], which.clip(0)], rng.integers(0, v, (b, w))
+        )
+        ua, ur = rng.random((b, w), dtype=np.float32), rng.random((b, w), dtype=np.float32)
+        feeds = [logits, q, which, d, temps, top_k, top_p, ua, ur]
+        onnx_out = session.run(None, dict(zip(names, feeds, strict=True)))
+        eager_out = [t.numpy() for t in _RuleOps()(*(torch.from_numpy(np.asarray(f)) for f in feeds))]
+        for i in range(b):
+            for j in range(w):
+                if temps[i] == 0:
+                    for x in (*onnx_out[:2], *eager_out[:2]):
+                        assert x[i, j] == logits[i, j].argmax()
+                    assert not onnx_out[2][i, j].any() and not eager_out[2][i, j].any()
+                    continue
+                p = filter_logits(logits[i, j], temps[i], top_k[i], top_p[i])
+                np.testing.assert_allclose(onnx_out[2][i, j], p, atol=1e-5)
+                drawn = np.cumsum(p)
+                qt = q[i, which[i, j]] if which[i, j] >= 0 else np.zeros(v)
+                margin = abs(ua[i, j] * qt[d[i, j]] - p[d[i, j]])
+                res = np.maximum(p - qt, 0)
+                res = res if res.sum() > 0 else p
+                cdf = np.cumsum(res) / res.sum()
+                if min(margin, np.abs(cdf - ur[i, j]).min(), np.abs(drawn - ua[i, j]).min()) < 1e-5:
+                    continue  # this close to a boundary float32 may round either way
+                keep = qt[d[i, j]] > 0 and ua[i, j] * qt[d[i, j]] < p[d[i, j]]
+                want = d[i, j] if keep else int(np.searchsorted(cdf, ur[i, j], side="right"))
+                assert onnx_out[0][i, j] == eager_out[0][i, j] == want, (v, temps[i], top_k[i], top_p[i])
+                want_draft = int(np.searchsorted(drawn, ua[i, j], side="right"))
+                assert onnx_out[1][i, j] == eager_out[1][i, j] == want_draft
+                checked += 1
+    assert checked > 150
 
 
 def test_reference_filter_matches_hugging_face_warpers():

@@ -25,9 +25,11 @@ from max(0, p - q); `sampling.speculative_draw`), which needs q_i(d_i) and the w
 call hands q_1..q_K on as drafter state `draft_q` [B, K, V] float32 (`draft_q_out` feeds it):
 the cheapest exact form. Recomputing q_i in the verifying call would rerun the draft on the K
 drafts (the draft's cache holds keys and values, not logits); the raw logits are the same size
-and would be filtered twice; a top-k sparse form is not exact when top-k is off. At temperature 0
-q_i is the one-hot of the argmax, so the same graph drafts and verifies greedily, token for token
-as a bundle compiled without sampling, which carries no `draft_q` at all.
+and would be filtered twice; a top-k sparse form is not exact when top-k is off. A row at
+temperature 0 drafts the argmax and carries q_i = 0 (`sampling.propose`), and the rule gives it
+the target's argmax whatever q says, so the same graph drafts and verifies greedily, token for
+token as a bundle compiled without sampling, which carries no `draft_q` at all; a call whose
+rows are all greedy computes no q and no p~ (the operators' ONNX forms skip them).
 """
 
 from __future__ import annotations
@@ -132,9 +134,9 @@ class ModelDrafts(StepEngine):
         the argmax (q unused) without sampling, else d ~ q by inverse CDF with draw 2 of `at`."""
         if not self.sampling:
             return self._token(logits.argmax(dim=-1)), None
-        q = torch.ops.specgraph.filtered(logits, *params[:3])  # [B, 1, V]; one-hot at temperature 0
         u = sampling.position_uniforms(params[3], sampling.stream(at, 2, self.uniform_streams))  # [B, 1]
-        d = self._token(sampling.inverse_cdf(q, u))
+        index, q = torch.ops.specgraph.propose(logits, *params[:3], u)  # [B, 1], [B, 1, V]; q = 0 if greedy
+        d = self._token(index)
         if self.vocab_ids is not None:  # q over the draft vocabulary -> over the target's (0 elsewhere)
             b, v_d = q.shape[0], q.shape[-1]
             q = q.new_zeros(b, 1, self.vocab_size).scatter(2, self.vocab_ids[None, None, :].expand(b, 1, v_d), q)
