@@ -197,7 +197,9 @@ class DraftMethod(Method):
             help="draft: the draft model (a path or alias whose tokenizer matches the target's), or self:int4 / "
             "self:int8, the target's own weight-quantised copy (default self:int4)",
         )
-        group.add_argument("--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4)")
+        group.add_argument(
+            "--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2)"
+        )
         group.add_argument(
             "--draft-block-size", type=int, help="draft: weights per block for self:int4 / self:int8 (default 32)"
         )

@@ -47,7 +47,7 @@ DRAFTER_BLOCK = 32  # weights per block of the drafter's matrices
 @dataclass(frozen=True)
 class EagleOptions(Options):
     eagle: str | None = None  # a drafter file from `specgraph train --method eagle`; default: the shipped one
-    num_draft: int = 4  # K: draft tokens per round
+    num_draft: int = 2  # K: draft tokens per round (2 measured best for the shipped drafter, docs/benchmarks.md)
     draft_vocab: int | None = None  # tokens the readout scores; None: DRAFT_VOCAB with a ranking; 0: all
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
     eagle_weights: str = "int8"  # the drafter's matrices: int8 or int4 blocks (int8 activations), or fp32
@@ -138,7 +138,9 @@ class EagleMethod(Method):
         group.add_argument("--eagle-weights", choices=list(DRAFTER_WEIGHTS),
                            help="eagle: the drafter's matrices as int8 (the default) or int4 blocks with int8 "
                                 "activations, or fp32; it only proposes, so this costs acceptance, never exactness")  # fmt: skip
-        group.add_argument("--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft, eagle: 4)")
+        group.add_argument(
+            "--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2)"
+        )
         draft_vocab.add_flags(group)
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
