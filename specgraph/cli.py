@@ -415,9 +415,9 @@ def _method_flags(args: argparse.Namespace) -> dict[str, Any]:
         for f in dataclasses.fields(other.options_type):
             if f.name not in mine and hasattr(args, f.name):
                 flag = "--" + f.name.replace("_", "-")
-                raise InputError(
-                    f"{flag} is a --method {other.name} option; it does nothing with --method {args.method}"
-                )
+                owners = "/".join(m.name for m in methods.REGISTRY.values()
+                                  if f.name in {g.name for g in dataclasses.fields(m.options_type)})  # fmt: skip
+                raise InputError(f"{flag} is a --method {owners} option; it does nothing with --method {args.method}")
     return {name: getattr(args, name) for name in mine if hasattr(args, name)}
 
 

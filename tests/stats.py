@@ -49,6 +49,8 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
     own = {"lookup": {"num_draft": 3}, "medusa": {"heads": str(heads), "tree": str(tree)},
            "draft": {"draft": str(draft), "num_draft": 3},
            "eagle": {"eagle": str(eagle), "num_draft": 3}}.get(name, {})  # fmt: skip
+    if method.endswith("-adaptive"):  # a threshold that switches drafting on and off within three tokens
+        own = {**own, "adaptive": True, "adaptive_threshold": 2.5}
     return CompileConfig.of(folder, root / method, name, max_context=64, **own)
 
 

@@ -98,7 +98,9 @@ def bundles(tiny_bundle, tiny_folder, tmp_path_factory) -> dict[str, Path]:
                       draft=str(save("llama", tmp / "other_llama", seed=7)))  # fmt: skip
     eagle = tmp / "eagle_bundle"
     drafter = random_drafter(tiny_folder("llama"), tmp / "eagle.safetensors")
-    specgraph.compile(tiny_folder("llama"), eagle, method="eagle", max_context=160, num_draft=3, eagle=str(drafter))
+    # adaptive: the drafter sits in an If and the host trims next_tokens by n_draft
+    specgraph.compile(tiny_folder("llama"), eagle, method="eagle", max_context=160, num_draft=3, eagle=str(drafter),
+                      adaptive=True, adaptive_threshold=1.5)  # fmt: skip
     return {"none": tiny_bundle("llama", "none"), "lookup": tiny_bundle("llama", "lookup"), "medusa": medusa,
             "draft": draft, "eagle": eagle}  # fmt: skip
 

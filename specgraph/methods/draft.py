@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from specgraph import draft_vocab, sampling
@@ -49,6 +50,9 @@ from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
 _I64 = torch.int64
 SELF = {"self:int4": 4, "self:int8": 8}  # the target's own weight-quantised copy
 _PREFIX = "draft_"  # the draft's module attribute, its cache names and its initializers start so
+ADAPT_STATE = ("draft_score", "draft_idle")  # `--adaptive`: per-row acceptance score, rounds without drafting
+ADAPT_DECAY = 0.75  # weight of a row's past rounds in its score
+PROBE_EVERY = 8  # rounds without drafting after which a row drafts one round again
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,11 @@ class DraftOptions(Options):
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
     draft_vocab: int | None = None  # tokens the draft's readout scores; None or 0: all of them
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
+    adaptive: bool = False  # draft only while it pays, per row (`ModelDrafts._adapt`)
+    adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
 
     def check(self) -> None:
+        check_adaptive(self.adaptive, self.adaptive_threshold, self.num_draft)
         if not 1 <= self.num_draft <= 16:
             raise InputError(f"--num-draft must be between 1 and 16 for --method draft, got {self.num_draft}")
         if self.draft_block_size not in (16, 32, 64, 128, 256):
@@ -100,7 +107,7 @@ class ModelDrafts(StepEngine):
     drafter_weights = ("p_draft_gm_", "draft_gm.")
 
     def __init__(self, *args: Any, num_draft: int, vocab_size: int, cache_shapes: list[tuple[int, ...]],
-                 vocab: tuple[torch.Tensor, dict[str, Any]] | None, **kwargs: Any) -> None:  # fmt: skip
+                 vocab: tuple[torch.Tensor, dict[str, Any]] | None, adaptive: bool = False, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.vocab_size = vocab_size
         self.num_draft = num_draft
@@ -108,8 +115,16 @@ class ModelDrafts(StepEngine):
         self.draft_layers = len(cache_shapes) // 2
         # with sampling, q of the drafts rides along (see the module docstring)
         q = ("draft_q",) if self.sampling else ()
-        self.state_inputs = (*kv_names("draft_past", self.draft_layers), *q)
-        self.draft_outputs = (*kv_names("draft_present", self.draft_layers), *(f"{n}_out" for n in q))
+        # adaptive: each row's acceptance score and rounds since it last drafted (`_adapt`)
+        adapt = ADAPT_STATE if adaptive else ()
+        self.adaptive = adaptive
+        self.state_inputs = (*kv_names("draft_past", self.draft_layers), *q, *adapt)
+        self.draft_outputs = (*kv_names("draft_present", self.draft_layers), *(f"{n}_out" for n in (*q, *adapt)))
+        if adaptive:
+            self.draft_outputs += ("n_draft",)
+            self.trims = {"next_tokens": "n_draft"}  # bind next_tokens[:, :1 + max(n_draft)] only
+            # accepted drafts per round below which drafting costs more than it returns (`finish` measures it)
+            self.register_buffer("draft_threshold", torch.zeros(1))
         # uniforms per position with sampling: 0 accept, 1 residual (or the plain draw), 2 the draft's draw
         self.uniform_streams = 3 if self.sampling else 1
         # a reduced draft vocabulary (specgraph/draft_vocab.py): the drafter's logits index these ids
@@ -124,10 +139,37 @@ class ModelDrafts(StepEngine):
 
     def example_state(self, batch: int) -> list[torch.Tensor]:
         q = [torch.zeros(batch, self.num_draft, self.vocab_size)] if self.sampling else []
-        return [*(torch.zeros(batch, *shape) for shape in self.draft_kv_shapes), *q]
+        adapt = [torch.zeros(batch), torch.zeros(batch, dtype=_I64)] if self.adaptive else []
+        return [*(torch.zeros(batch, *shape) for shape in self.draft_kv_shapes), *q, *adapt]
 
     def proposal(self, state):  # type: ignore[no-untyped-def]
-        return state[-1] if self.sampling else None  # draft_q [B, K, V]
+        return state[2 * self.draft_layers] if self.sampling else None  # draft_q [B, K, V]
+
+    def _outputs(self, state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs):  # type: ignore[no-untyped-def]
+        """`draft`'s result: next_tokens [B, 1+K] and the drafter's state (its caches, q with
+        sampling, and with `adaptive` the acceptance state and each row's draft count)."""
+        carried = [torch.cat(qs, dim=1)] if self.sampling else []  # draft_q_out [B, K, V]
+        adapt = self._adapt(state, tokens, cache_len, cache_len_out) if self.adaptive else []
+        return torch.cat([bonus, *drafts], dim=1), [*kv, *carried, *adapt]
+
+    def _adapt(self, state, tokens, cache_len, cache_len_out):  # type: ignore[no-untyped-def]
+        """Run-time draft length: K or 0 per row, from the row's own recent acceptance. A round
+        that verified drafts moves the row's score towards (accepted drafts - threshold); a row
+        drafts next round while its score is >= 0, and after PROBE_EVERY rounds without drafting
+        it tries one round again. The exported engine skips the drafter entirely when no row
+        drafts (exporters/gate.py), so an idle round costs what a plain step costs. Lossless
+        either way: the count only decides how many drafts the next call verifies."""
+        score, idle = state[-2], state[-1]  # [B] float, [B] int64
+        # this call verified drafts (a prompt counts as a round that accepted all K); a tensor, so
+        # the export keeps the token count dynamic
+        drafted = torch.ones_like(tokens).sum(dim=1) > 1  # [B]
+        accepted = torch.clamp(cache_len_out - cache_len - 1, max=self.num_draft).to(score.dtype)  # [B]
+        moved = ADAPT_DECAY * score + (1 - ADAPT_DECAY) * (accepted - self.draft_threshold)
+        score = torch.where(drafted, moved, score)
+        idle = torch.where(drafted, torch.zeros_like(idle), idle + 1)
+        wants = (score >= 0) | (idle >= PROBE_EVERY)  # [B]
+        n_draft = torch.where(wants, self.num_draft, 0).to(_I64)
+        return [score, idle, n_draft]
 
     def _propose(self, logits, at, params):  # type: ignore[no-untyped-def]
         """The draft token at positions `at` [B, 1] from the drafter's logits [B, 1, V], and its q:
@@ -173,8 +215,7 @@ class DraftStepEngine(ModelDrafts):
             d, q = self._propose(logits, pos + 1, params)
             drafts.append(d)
             qs.append(q)
-        carried = [torch.cat(qs, dim=1)] if self.sampling else []  # draft_q_out [B, K, V]
-        return torch.cat([bonus, *drafts], dim=1), [*kv, *carried]  # next_tokens [B, 1+K], draft state
+        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs)
 
     def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
         """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""
@@ -203,6 +244,7 @@ class DraftMethod(Method):
         group.add_argument(
             "--draft-block-size", type=int, help="draft: weights per block for self:int4 / self:int8 (default 32)"
         )
+        add_adaptive_flag(group)
         draft_vocab.add_flags(group)
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> Drafter:
@@ -243,7 +285,7 @@ class DraftMethod(Method):
         opts: DraftOptions = cfg.opts
         engine = DraftStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
                                  cfg.engine_samples, drafter=drafter, num_draft=opts.num_draft,
-                                 vocab_size=anatomy.vocab_size)  # fmt: skip
+                                 vocab_size=anatomy.vocab_size, adaptive=opts.adaptive)  # fmt: skip
         # the target's weights follow --weights; the draft's are its own (quantised in `finish`)
         return Built(engine, {"weights_skip": "draft_gm."})
 
@@ -259,7 +301,64 @@ class DraftMethod(Method):
         if engine.vocab_ids is not None:
             section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
             summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
+        if engine.adaptive:
+            section["adaptive"] = finish_adaptive(staging, engine, Finished(section, draft_depth=opts.num_draft), measure,
+                                                  opts.adaptive_threshold)  # fmt: skip
+            summary += f", adaptive (drafts while a round accepts {section['adaptive']['threshold']:.2f}+ drafts)"
         return Finished(section, draft_depth=opts.num_draft, report={**section, "summary": summary})
+
+
+def add_adaptive_flag(group: Any) -> None:
+    group.add_argument(
+        "--adaptive", action="store_true", default=None,
+        help="draft, eagle: each row drafts only while its recent rounds accept enough drafts to pay for "
+        "drafting (the threshold is measured at compile time); a call in which no row drafts skips the "
+        "drafter and costs a plain step. Lossless either way",
+    )  # fmt: skip
+    group.add_argument(
+        "--adaptive-threshold", type=float,
+        help="draft, eagle with --adaptive: the accepted drafts per round below which a row stops drafting, "
+        "instead of the one measured at compile time (e.g. when the engine will run on another machine)",
+    )  # fmt: skip
+
+
+def check_adaptive(adaptive: bool, threshold: float | None, num_draft: int) -> None:
+    if threshold is not None and not adaptive:
+        raise InputError("--adaptive-threshold needs --adaptive")
+    if threshold is not None and not 0 <= threshold <= num_draft:
+        raise InputError(f"--adaptive-threshold must be between 0 and --num-draft ({num_draft}), got {threshold}")
+
+
+def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, measure: Measure,
+                    threshold: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Gate the staged engine's drafter (exporters/gate.py), then measure one round with drafts
+    and one without at context 128, and set the threshold (unless given): the accepted drafts per
+    round at which drafting pays for itself (round time / idle time - 1). Returns the manifest's
+    description."""
+    import onnx
+
+    from specgraph.exporters.gate import gate_drafter
+    from specgraph.timing import time_call
+
+    path = staging / "model.onnx"
+    state = [o for o in engine.draft_outputs if not o.startswith(ADAPT_STATE) and o != "n_draft"]
+    passthrough = {o: o.replace("present", "past").removesuffix("_out") for o in state}
+    moved = gate_drafter(path, ["next_tokens", *state], passthrough, count="n_draft", tokens="next_tokens")
+    live = measure(placeholder)
+    k, at = engine.num_draft, min(128, engine.max_context - engine.num_draft - 2)
+    drafting, idle = [], []
+    for _ in range(3):  # interleaved
+        drafting.append(time_call(live, k + 1, at, repeats=5))
+        idle.append(time_call(live, 1, at, repeats=5, fill={"draft_score": -1e9}))
+    round_s, idle_s = float(np.median(drafting)), float(np.median(idle))
+    measured = round_s / idle_s - 1
+    threshold = measured if threshold is None else threshold
+    model = onnx.load(str(path), load_external_data=False)
+    (init,) = [t for t in model.graph.initializer if "draft_threshold" in t.name]
+    init.CopyFrom(onnx.numpy_helper.from_array(np.array([threshold], np.float32), init.name))
+    onnx.save_model(model, str(path))
+    return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "round_ms": round(round_s * 1e3, 2),
+            "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "gated_nodes": moved}  # fmt: skip
 
 
 def quantise_drafter(staging: Path, bits: int, block_size: int) -> dict[str, Any]:

@@ -88,6 +88,36 @@ def test_greedy_equals_hf_and_drafts_are_accepted(bundles, trained):
     assert max(taus) > 1.3, taus
 
 
+def test_adaptive_engine_is_lossless_and_an_idle_call_skips_the_drafter(tiny_folder, trained, tmp_path):
+    """`--adaptive`: the threshold is measured, the drafter sits in an `If` that runs only when
+    some row drafts next round, the output is still HF's greedy output, and a call in which no row
+    drafts leaves the drafter's cache as it was while a drafting call writes it."""
+    import numpy as np
+    import onnx
+
+    out = tmp_path / "adaptive"
+    compile_model(CompileConfig.of(tiny_folder("llama"), out, "eagle", max_context=160, eagle=str(trained[1]),
+                                   num_draft=3, adaptive=True))  # fmt: skip
+    engine = Engine(out)
+    section = engine.manifest["eagle"]["adaptive"]
+    assert section["threshold"] == section["measured_threshold"] > 0 and section["idle_ms"] < section["round_ms"]
+    assert engine.manifest["graph"]["trims"] == {"next_tokens": "n_draft"}
+    gates = [n for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node if n.op_type == "If"]
+    assert [n.name for n in gates] == ["draft_gate"]
+    model = build("llama")
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+    for score, drafts in ((-1e9, 0), (1e9, 3)):
+        state = engine.new_state(1)
+        feeds = engine.first_feeds(np.asarray([PROMPTS[0]], np.int64), len(PROMPTS[0]), 0)
+        feeds["draft_score"] = np.full(1, score, np.float32)
+        out_values = engine.call(engine.session.io_binding(), feeds, state)
+        assert out_values["n_draft"].numpy().tolist() == [drafts]
+        written = state["draft_past_key_0"].numpy().any()
+        assert written == (drafts > 0), (score, written)
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantised_engines_equal_their_own_none_engine(bundles, tiny_folder, tmp_path, weights):
     none = tmp_path / "none"

@@ -29,7 +29,7 @@ import torch
 from specgraph import draft_vocab
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
-from specgraph.methods.draft import ModelDrafts, quantise_drafter
+from specgraph.methods.draft import ModelDrafts, add_adaptive_flag, check_adaptive, finish_adaptive, quantise_drafter
 from specgraph.methods.eagle.drafter import EagleDrafter, load_drafter
 from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.passes._infra import PassContext, PassResult, cleanup, output_values, set_outputs
@@ -51,8 +51,11 @@ class EagleOptions(Options):
     draft_vocab: int | None = None  # tokens the readout scores; None: DRAFT_VOCAB with a ranking; 0: all
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
     eagle_weights: str = "int8"  # the drafter's matrices: int8 or int4 blocks (int8 activations), or fp32
+    adaptive: bool = False  # draft only while it pays, per row (methods/draft.py `_adapt`)
+    adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
 
     def check(self) -> None:
+        check_adaptive(self.adaptive, self.adaptive_threshold, self.num_draft)
         if self.eagle_weights not in DRAFTER_WEIGHTS:
             raise InputError(f"--eagle-weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {self.eagle_weights!r}")
         if not 1 <= self.num_draft <= 16:
@@ -106,8 +109,7 @@ class EagleStepEngine(ModelDrafts):
             d, q = self._propose(self._readout(last), pos + 2, params)
             drafts.append(d)
             qs.append(q)
-        carried = [torch.cat(qs, dim=1)] if self.sampling else []  # draft_q_out [B, K, V]
-        return torch.cat([bonus, *drafts], dim=1), [*kv, *carried]
+        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs)
 
     def _readout(self, feature: torch.Tensor) -> torch.Tensor:
         """Logits [B, 1, V_d] of a feature [B, 1, H] (one 2-D product over the drafter's rows)."""
@@ -141,6 +143,7 @@ class EagleMethod(Method):
         group.add_argument(
             "--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2)"
         )
+        add_adaptive_flag(group)
         draft_vocab.add_flags(group)
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
@@ -187,7 +190,7 @@ class EagleMethod(Method):
         engine = EagleStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
                                  cfg.engine_samples, drafter=drafter, embed_weight=str(embed.target),
                                  lm_head_weight=str(head.target), num_draft=cfg.opts.num_draft,
-                                 vocab_size=anatomy.vocab_size)  # fmt: skip
+                                 vocab_size=anatomy.vocab_size, adaptive=cfg.opts.adaptive)  # fmt: skip
         # the target's weights follow --weights; the drafter's follow --eagle-weights (in `finish`)
         return Built(engine, {"weights_skip": "draft_gm."})
 
@@ -206,6 +209,10 @@ class EagleMethod(Method):
         if engine.vocab_ids is not None:
             section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
             summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
+        if engine.adaptive:
+            section["adaptive"] = finish_adaptive(staging, engine, Finished(section, draft_depth=cfg.opts.num_draft),
+                                                  measure, cfg.opts.adaptive_threshold)  # fmt: skip
+            summary += f", adaptive (drafts while a round accepts {section['adaptive']['threshold']:.2f}+ drafts)"
         return Finished(section, draft_depth=cfg.opts.num_draft, report={**section, "summary": summary})
 
 
