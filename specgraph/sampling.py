@@ -326,7 +326,6 @@ def _threshold(op, s, top, total, k_eff, k_off, top_p):  # type: ignore[no-untyp
 # --- the general rule: drafts with a real proposal distribution q ----------------------------------
 
 
-@torch.library.custom_op("specgraph::filtered", mutates_args=())
 def filtered(
     logits: torch.Tensor,  # [B, T, V]
     temperature: torch.Tensor,  # [B] float, 0 = greedy
@@ -335,7 +334,8 @@ def filtered(
 ) -> torch.Tensor:
     """p~ [B, T, V] float32: softmax(logits / temperature) restricted by top-k then top-p and
     renormalised; at temperature 0 the one-hot of the argmax (the limit of p~ as T -> 0, and what
-    makes the general rule below the greedy rule)."""
+    makes the general rule below the greedy rule). Eager only: the engines export it inside
+    `speculative` and `propose`, whose ONNX forms compute it on the drawn rows alone."""
     b, t, v = logits.shape
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     z = (logits.float() / temp[:, None, None]).reshape(b * t, v)  # [N, V]
@@ -344,35 +344,6 @@ def filtered(
     p = (w / w.sum(-1, keepdim=True)).reshape(b, t, v)
     onehot = (torch.arange(v)[None, None, :] == logits.argmax(dim=-1, keepdim=True)).float()  # [B, T, V]
     return torch.where((temperature > 0)[:, None, None], p, onehot)
-
-
-@filtered.register_fake
-def _filtered_fake(logits, temperature, top_k, top_p):  # type: ignore[no-untyped-def]
-    return torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-
-
-def _filtered_onnx(logits, temperature, top_k, top_p):  # type: ignore[no-untyped-def]
-    """ONNX form: the sampling op's kept weights (two TopK stages), normalised."""
-    op = _OPSET24
-    one, two = op.Constant(value_ints=[1]), op.Constant(value_ints=[2])
-    shape = op.Shape(logits)  # [3]
-    b_t = op.Shape(logits, start=0, end=2)  # [2]
-    vocab = op.Shape(logits, start=2, end=3)  # [1]
-    greedy_row = op.LessOrEqual(temperature, op.CastLike(op.Constant(value_float=0.0), temperature))  # [B]
-    temp = op.Where(greedy_row, op.CastLike(op.Constant(value_float=1.0), temperature), temperature)
-    z = op.Div(op.Cast(logits, to=onnxscript.ir.DataType.FLOAT), op.Cast(op.Unsqueeze(temp, op.Constant(value_ints=[1, 2])),
-               to=onnxscript.ir.DataType.FLOAT))  # fmt: skip
-    flat = op.Concat(op.Constant(value_ints=[-1]), vocab, axis=0)
-
-    def spread(x):  # type: ignore[no-untyped-def]  # [B] -> [N]
-        return op.Reshape(op.Expand(op.Unsqueeze(x, one), b_t), op.Constant(value_ints=[-1]))
-
-    w = _kept_weights(op, op.Reshape(z, flat), spread(top_k), op.CastLike(spread(top_p), z))  # [N, V]
-    p = op.Reshape(op.Div(w, op.ReduceSum(w, one, keepdims=1)), shape)  # [B, T, V]
-    idx = op.Range(op.Constant(value_int=0), op.Squeeze(vocab, op.Constant(value_ints=[0])), op.Constant(value_int=1))
-    onehot = op.CastLike(op.Equal(op.Unsqueeze(idx, op.Constant(value_ints=[0, 1])),
-                                  op.ArgMax(logits, axis=2, keepdims=1)), p)  # fmt: skip
-    return op.Where(op.Not(op.Unsqueeze(greedy_row, op.Concat(one, two, axis=0))), p, onehot)
 
 
 def inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -553,7 +524,6 @@ def _back_to_rows(op, x_r, rows, logits):  # type: ignore[no-untyped-def]
 
 ONNX_TRANSLATIONS: dict[Any, Any] = {
     torch.ops.specgraph.sample.default: _sample_onnx,
-    torch.ops.specgraph.filtered.default: _filtered_onnx,
     torch.ops.specgraph.speculative.default: _speculative_onnx,
     torch.ops.specgraph.propose.default: _propose_onnx,
 }

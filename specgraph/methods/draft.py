@@ -298,14 +298,21 @@ class DraftMethod(Method):
         if bits is not None:
             section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size)
         summary = f"draft {opts.draft}, {opts.num_draft} tokens per round"
-        if engine.vocab_ids is not None:
-            section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
-            summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
-        if engine.adaptive:
-            section["adaptive"] = finish_adaptive(staging, engine, Finished(section, draft_depth=opts.num_draft), measure,
-                                                  opts.adaptive_threshold)  # fmt: skip
-            summary += f", adaptive (drafts while a round accepts {section['adaptive']['threshold']:.2f}+ drafts)"
-        return Finished(section, draft_depth=opts.num_draft, report={**section, "summary": summary})
+        return finish_drafts(staging, engine, section, summary, opts.adaptive_threshold, measure)
+
+
+def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], summary: str,
+                  threshold: float | None, measure: Measure) -> Finished:  # fmt: skip
+    """The end of a ModelDrafts method's `finish`: the reduced vocabulary's id map and, with
+    `--adaptive`, the gated drafter and its threshold, added to the manifest section and summary."""
+    if engine.vocab_ids is not None:
+        section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
+        summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
+    if engine.adaptive:
+        placeholder = Finished(section, draft_depth=engine.num_draft)
+        section["adaptive"] = finish_adaptive(staging, engine, placeholder, measure, threshold)
+        summary += f", adaptive (drafts while a round accepts {section['adaptive']['threshold']:.2f}+ drafts)"
+    return Finished(section, draft_depth=engine.num_draft, report={**section, "summary": summary})
 
 
 def add_adaptive_flag(group: Any) -> None:

@@ -29,7 +29,7 @@ import torch
 from specgraph import draft_vocab
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
-from specgraph.methods.draft import ModelDrafts, add_adaptive_flag, check_adaptive, finish_adaptive, quantise_drafter
+from specgraph.methods.draft import ModelDrafts, add_adaptive_flag, check_adaptive, finish_drafts, quantise_drafter
 from specgraph.methods.eagle.drafter import EagleDrafter, load_drafter
 from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.passes._infra import PassContext, PassResult, cleanup, output_values, set_outputs
@@ -206,14 +206,7 @@ class EagleMethod(Method):
         section["trained"] = {k: meta[k] for k in ("model", "acceptance", "expected_tokens", "train_tokens",
                                                    "command") if k in meta}  # fmt: skip
         summary = f"EAGLE drafter, {cfg.opts.num_draft} tokens per round"
-        if engine.vocab_ids is not None:
-            section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
-            summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
-        if engine.adaptive:
-            section["adaptive"] = finish_adaptive(staging, engine, Finished(section, draft_depth=cfg.opts.num_draft),
-                                                  measure, cfg.opts.adaptive_threshold)  # fmt: skip
-            summary += f", adaptive (drafts while a round accepts {section['adaptive']['threshold']:.2f}+ drafts)"
-        return Finished(section, draft_depth=cfg.opts.num_draft, report={**section, "summary": summary})
+        return finish_drafts(staging, engine, section, summary, cfg.opts.adaptive_threshold, measure)
 
 
 EAGLE = EagleMethod()
