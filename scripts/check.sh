@@ -6,4 +6,7 @@ set -eu
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pre_commit run --all-files
-$PY -m pytest -q "$@"
+# On every core (pytest-xdist): one test file per worker at a time, so a file's fixtures are built
+# once; the shared fixtures in tests/conftest.py are built once for all workers. The slowest tests
+# are listed at the end.
+$PY -m pytest -q -n auto --dist loadfile --durations=15 "$@"

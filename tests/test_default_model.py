@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from specgraph.compiler import CompileConfig, compile_model
 from specgraph.runtime import Engine
 from specgraph.sampling import uniform_stream
 from tests.greedy import assert_same_greedy, assert_same_sampled, hf_greedy
@@ -21,19 +20,11 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def default(tmp_path_factory):
+def default(smollm2_bundle):
     from specgraph.loaders import load_model
 
     loaded = load_model("smollm2-135m")
-    out = tmp_path_factory.mktemp("smollm2")
-    bundles = {}
-    for method in ("none", "lookup", "medusa", "eagle"):
-        # medusa: the shipped heads with the default tree; eagle: the shipped drafter
-        cfg = CompileConfig.of(
-            model="smollm2-135m", output=out / method, method=method, max_context=512, emit_logits=method == "none"
-        )
-        compile_model(cfg)
-        bundles[method] = Engine(out / method, threads=2)
+    bundles = {method: Engine(smollm2_bundle(method), threads=2) for method in ("none", "lookup", "medusa", "eagle")}
     return loaded, bundles
 
 

@@ -373,11 +373,8 @@ def test_float_fields_print_as_python_does(host, ort_lib, bundles):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("host_smollm2")
-    for method in ("none", "lookup", "medusa"):  # medusa: the shipped heads and the default tree
-        specgraph.compile("smollm2-135m", out / method, method=method, max_context=512)
-    return {method: out / method for method in ("none", "lookup", "medusa")}
+def smollm2(smollm2_bundle) -> dict[str, Path]:
+    return {method: smollm2_bundle(method) for method in ("none", "lookup", "medusa")}  # medusa: the shipped heads
 
 
 @pytest.mark.slow
