@@ -298,10 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at -o or its cache"))
     t.add_argument(
         "--max-new-tokens", type=_positive, default=None,
-        help="tokens the target generates per prompt (default: medusa 32, eagle 128)",
+        help="tokens the target generates per prompt (default: medusa 32, eagle and early-exit 128)",
     )  # fmt: skip
     t.add_argument("--epochs", type=_positive, default=None,
-                   help="passes over the training data (default: medusa 5, eagle 2)")  # fmt: skip
+                   help="passes over the training data (default: medusa 5, eagle and early-exit 2)")  # fmt: skip
     t.add_argument("--threads", type=_positive, default=2, help="torch and ONNX Runtime threads (default 2)")
     t.add_argument("--json", action="store_true", help="print the training report as JSON")
     for method in trainable:
@@ -592,7 +592,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from specgraph import methods
 
-    command = " ".join(["specgraph", *sys.argv[1:]])
+    command = " ".join(["specgraph", *args.argv])
     report = methods.get(args.method).train(args, progress=not args.json, command=command)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
@@ -621,7 +621,9 @@ _COMMANDS = {"compile": _cmd_compile, "generate": _cmd_generate, "bench": _cmd_b
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # as given, for a report that records its own command (train)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(name)s: %(message)s")
     if not args.debug:
         _quiet_libraries()

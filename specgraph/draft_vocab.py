@@ -80,7 +80,10 @@ def check_option(size: int | None) -> None:
 
 
 MEDUSA_DEFAULT = 8192  # Medusa's heads where the model has a ranking (docs/benchmarks.md); draft: all tokens
-DEFAULTS = f"Default: medusa {MEDUSA_DEFAULT} where a token ranking ships for the model (smollm2-135m), else 0; draft 0"
+DEFAULTS = (
+    f"Default: medusa, eagle, early-exit {MEDUSA_DEFAULT} where a token ranking ships for the model (smollm2-135m), "
+    "else 0; draft 0"
+)
 
 
 def add_flags(group: Any) -> None:
@@ -89,15 +92,15 @@ def add_flags(group: Any) -> None:
         "--draft-vocab",
         type=int,
         default=None,
-        help="medusa, draft: the drafter scores only the N most frequent tokens (a reduced draft vocabulary: a "
-        "cheaper readout; drafts outside it are never proposed and the output is unchanged). 0 = the whole "
-        f"vocabulary. {DEFAULTS}",
+        help="medusa, draft, eagle, early-exit: the drafter scores only the N most frequent tokens (a reduced "
+        "draft vocabulary: a cheaper readout; drafts outside it are never proposed and the output is unchanged). "
+        f"0 = the whole vocabulary. {DEFAULTS}",
     )
     group.add_argument(
         "--draft-vocab-file",
         default=None,
-        help="medusa, draft: the token ranking to take --draft-vocab tokens from (made by scripts/draft_vocab.py); "
-        "default: the one shipped for the model",
+        help="medusa, draft, eagle, early-exit: the token ranking to take --draft-vocab tokens from (made by "
+        "scripts/draft_vocab.py); default: the one shipped for the model",
     )
 
 

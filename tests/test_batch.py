@@ -18,6 +18,7 @@ from specgraph.sampling import SamplingParams, uniform_stream
 from specgraph.step import MAX_BATCH
 from tests.greedy import assert_same_greedy, assert_same_sampled, hf_greedy
 from tests.methods.test_eagle import random_drafter
+from tests.methods.test_early_exit import random_adapter
 from tests.models.tiny import build
 from tests.test_medusa import _heads
 
@@ -39,7 +40,14 @@ def bundle(tiny_bundle, tiny_folder, tmp_path_factory):
 
     def get(method: str):
         if method not in cache:
-            if method == "eagle":
+            if method == "early-exit":  # an untrained adapter: the target's layer 2 without its MLP
+                tmp = tmp_path_factory.mktemp("batch_early_exit")
+                adapter = random_adapter(tiny_folder("llama"), tmp / "adapter.safetensors", std=0.0)
+                cfg = CompileConfig.of(tiny_folder("llama"), tmp / "bundle", method, max_context=160,
+                                       exit_adapter=str(adapter), num_draft=3)  # fmt: skip
+                compile_model(cfg)
+                cache[method] = cfg.output
+            elif method == "eagle":
                 tmp = tmp_path_factory.mktemp("batch_eagle")
                 drafter = random_drafter(tiny_folder("llama"), tmp / "eagle.safetensors")
                 cfg = CompileConfig.of(tiny_folder("llama"), tmp / "bundle", method, max_context=160,
@@ -118,9 +126,9 @@ def test_a_one_token_row_padded_to_the_tree_size_is_verified_as_a_tree(bundle, m
 
 
 # Seeded text equals `none`'s for drafters whose proposals are point masses verified by the
-# shared equality rule; `draft` and `eagle` sample their drafts (the general rule, min(1, p/q)),
+# shared equality rule; `draft`, `eagle` and `early-exit` sample their drafts (the general rule, min(1, p/q)),
 # so their text equals `none`'s in law only (tests/test_sampling.py): here they are tested greedy.
-SEEDED = [m for m in methods.names() if methods.get(m).speculative and m not in ("draft", "eagle")]
+SEEDED = [m for m in methods.names() if methods.get(m).speculative and m not in ("draft", "eagle", "early-exit")]
 
 
 @pytest.mark.parametrize("method", SEEDED)

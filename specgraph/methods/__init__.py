@@ -17,11 +17,12 @@ from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Method, Options
 from specgraph.methods.draft import DRAFT
 from specgraph.methods.eagle import EAGLE
+from specgraph.methods.early_exit import EARLY_EXIT
 from specgraph.methods.lookup import LOOKUP
 from specgraph.methods.medusa import MEDUSA
 from specgraph.methods.none import NONE
 
-REGISTRY: dict[str, Method] = {m.name: m for m in (NONE, LOOKUP, MEDUSA, DRAFT, EAGLE)}
+REGISTRY: dict[str, Method] = {m.name: m for m in (NONE, LOOKUP, MEDUSA, DRAFT, EAGLE, EARLY_EXIT)}
 
 
 def names() -> list[str]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -94,6 +94,7 @@ class Drafter:
     window: int | None
     name: str
     vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary: its ids, its report
+    trained: dict[str, Any] | None = None  # what a trained drafter's file says of it (early-exit's adapter)
 
 
 class ModelDrafts(StepEngine):
@@ -229,8 +230,8 @@ class DraftStepEngine(ModelDrafts):
 class DraftMethod(Method):
     name = "draft"
     summary = "a draft model (another model with the same tokenizer, or self:int4 / self:int8) proposes K tokens"
-    needs = "--draft MODEL"
-    options_type = DraftOptions
+    needs: ClassVar[str | None] = "--draft MODEL"
+    options_type: ClassVar[type[Options]] = DraftOptions  # annotated as the base's: early-exit subclasses it
 
     def add_flags(self, group: Any) -> None:
         group.add_argument(
@@ -239,55 +240,21 @@ class DraftMethod(Method):
             "self:int8, the target's own weight-quantised copy (default self:int4)",
         )
         group.add_argument(
-            "--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2)"
-        )
-        group.add_argument(
             "--draft-block-size", type=int, help="draft: weights per block for self:int4 / self:int8 (default 32)"
         )
-        add_adaptive_flag(group)
-        draft_vocab.add_flags(group)
+        add_drafting_flags(group)
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> Drafter:
-        from specgraph.anatomy import analyze
-        from specgraph.capture import capture
-        from specgraph.compiler import passes_for
         from specgraph.loaders import load_model
-        from specgraph.methods.none import NONE
-        from specgraph.passes import PassContext
 
         opts: DraftOptions = cfg.opts
         source = loaded if opts.draft in SELF else load_model(opts.draft)
         if source is not loaded:
             check_same_tokenizer(loaded, source)
-        # a copy: the target's capture shares the HF model's tensors, and the draft's are its own
-        gm = copy.deepcopy(capture(source, cfg.max_context))
-        draft_anatomy = analyze(gm, source.hf_config)
-        if draft_anatomy.vocab_size != anatomy.vocab_size:
-            raise InputError(f"draft {opts.draft} scores {draft_anatomy.vocab_size} tokens, the target "
-                             f"{anatomy.vocab_size}: a draft must share the target's vocabulary")  # fmt: skip
-        ctx = PassContext(draft_anatomy, cfg.max_context)
-        for pass_fn in passes_for(NONE, NONE.options_type()):
-            pass_fn(gm, ctx)
-        shapes: list[tuple[int, ...]] = []
-        for site in draft_anatomy.sites:
-            shapes += [(site.num_kv_heads, site.head_dim, cfg.max_context),
-                       (site.num_kv_heads, cfg.max_context, site.head_dim)]  # fmt: skip
-        windows = {site.sliding_window for site in draft_anatomy.sites if site.sliding_window}
-        from specgraph.methods.medusa.heads import model_fingerprint
-
-        vocab = draft_vocab.choose(opts.draft_vocab, opts.draft_vocab_file, 0, model_fingerprint(loaded),
-                                   anatomy.vocab_size, loaded.name)  # fmt: skip
-        if vocab is not None:
-            _reduce_readout(gm, draft_anatomy.lm_head, vocab[0])
-        return Drafter(gm, draft_anatomy.num_layers, shapes, windows.pop() if windows else None, opts.draft, vocab)
+        return model_drafter(source, loaded, anatomy, cfg, opts.draft, default_vocab=0)
 
     def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
-        opts: DraftOptions = cfg.opts
-        engine = DraftStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
-                                 cfg.engine_samples, drafter=drafter, num_draft=opts.num_draft,
-                                 vocab_size=anatomy.vocab_size, adaptive=opts.adaptive)  # fmt: skip
-        # the target's weights follow --weights; the draft's are its own (quantised in `finish`)
-        return Built(engine, {"weights_skip": "draft_gm."})
+        return build_draft_engine(gm, anatomy, cfg, drafter, window)
 
     def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
         opts: DraftOptions = cfg.opts
@@ -299,6 +266,58 @@ class DraftMethod(Method):
             section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size)
         summary = f"draft {opts.draft}, {opts.num_draft} tokens per round"
         return finish_drafts(staging, engine, section, summary, opts.adaptive_threshold, measure)
+
+
+def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, default_vocab: int) -> Drafter:
+    """The draft model `source` (a LoadedModel) captured and rewritten with its own cache I/O
+    for a DraftStepEngine of the target `loaded`; its readout reduced to the draft vocabulary
+    that `cfg.opts` (`draft_vocab`, `draft_vocab_file`) and `default_vocab` choose."""
+    from specgraph.anatomy import analyze
+    from specgraph.capture import capture
+    from specgraph.compiler import passes_for
+    from specgraph.methods.medusa.heads import model_fingerprint
+    from specgraph.methods.none import NONE
+    from specgraph.passes import PassContext
+
+    # a copy: the target's capture shares the HF model's tensors, and the draft's are its own
+    gm = copy.deepcopy(capture(source, cfg.max_context))
+    draft_anatomy = analyze(gm, source.hf_config)
+    if draft_anatomy.vocab_size != anatomy.vocab_size:
+        raise InputError(f"draft {name} scores {draft_anatomy.vocab_size} tokens, the target "
+                         f"{anatomy.vocab_size}: a draft must share the target's vocabulary")  # fmt: skip
+    ctx = PassContext(draft_anatomy, cfg.max_context)
+    for pass_fn in passes_for(NONE, NONE.options_type()):
+        pass_fn(gm, ctx)
+    shapes: list[tuple[int, ...]] = []
+    for site in draft_anatomy.sites:
+        shapes += [(site.num_kv_heads, site.head_dim, cfg.max_context),
+                   (site.num_kv_heads, cfg.max_context, site.head_dim)]  # fmt: skip
+    windows = {site.sliding_window for site in draft_anatomy.sites if site.sliding_window}
+    vocab = draft_vocab.choose(cfg.opts.draft_vocab, cfg.opts.draft_vocab_file, default_vocab,
+                               model_fingerprint(loaded), anatomy.vocab_size, loaded.name)  # fmt: skip
+    if vocab is not None:
+        _reduce_readout(gm, draft_anatomy.lm_head, vocab[0])
+    return Drafter(gm, draft_anatomy.num_layers, shapes, windows.pop() if windows else None, name, vocab)
+
+
+def build_draft_engine(gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Drafter, window: int | None) -> Built:
+    """The DraftStepEngine around the target graph `gm`, with `cfg.opts`' `num_draft` and `adaptive`."""
+    engine = DraftStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
+                             cfg.engine_samples, drafter=drafter, num_draft=cfg.opts.num_draft,
+                             vocab_size=anatomy.vocab_size, adaptive=cfg.opts.adaptive)  # fmt: skip
+    # the target's weights follow --weights; the draft's are its own (quantised in `finish`)
+    return Built(engine, {"weights_skip": "draft_gm.", "trained": drafter.trained})
+
+
+def shipped_file(given: str | None, shipped: dict[str, str], fingerprint: str | None, missing: str) -> str:
+    """The drafter file to load: `given`, else the one shipped for the model with this
+    fingerprint (`specgraph/data/heads/`), else InputError(`missing`)."""
+    if given is not None:
+        return given
+    name = shipped.get(fingerprint or "")
+    if name is None:
+        raise InputError(missing)
+    return str(Path(__file__).resolve().parents[1] / "data" / "heads" / name)
 
 
 def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], summary: str,
@@ -315,16 +334,26 @@ def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], s
     return Finished(section, draft_depth=engine.num_draft, report={**section, "summary": summary})
 
 
+def add_drafting_flags(group: Any) -> None:
+    """The flags of every method whose drafter is a network run K times (draft, eagle,
+    early-exit): --num-draft, --adaptive and the reduced draft vocabulary's."""
+    group.add_argument(
+        "--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2; early-exit: 3)"
+    )
+    add_adaptive_flag(group)
+    draft_vocab.add_flags(group)
+
+
 def add_adaptive_flag(group: Any) -> None:
     group.add_argument(
         "--adaptive", action="store_true", default=None,
-        help="draft, eagle: each row drafts only while its recent rounds accept enough drafts to pay for "
+        help="draft, eagle, early-exit: each row drafts only while its recent rounds accept enough drafts to pay for "
         "drafting (the threshold is measured at compile time); a call in which no row drafts skips the "
         "drafter and costs a plain step. Lossless either way",
     )  # fmt: skip
     group.add_argument(
         "--adaptive-threshold", type=float,
-        help="draft, eagle with --adaptive: the accepted drafts per round below which a row stops drafting, "
+        help="draft, eagle, early-exit with --adaptive: the accepted drafts per round below which a row stops drafting, "
         "instead of the one measured at compile time (e.g. when the engine will run on another machine)",
     )  # fmt: skip
 

@@ -62,7 +62,7 @@ class LookupMethod(Method):
             "--num-draft",
             type=int,
             default=7,
-            help="draft tokens verified per step (lookup: default 7; draft: default 4; eagle: default 2)",
+            help="draft tokens verified per step (lookup: default 7; draft: default 4; eagle: default 2; early-exit: default 3)",
         )
         group.add_argument(
             "--max-ngram", type=int, default=3, help="lookup: longest n-gram matched in the context (default 3)"

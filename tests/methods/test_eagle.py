@@ -33,14 +33,20 @@ def random_drafter(folder: Path, path: Path, seed: int = 1) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_folder, tiny_bundle, tmp_path_factory):
-    """A drafter trained on the tiny Llama's own greedy replies (it has no tokenizer: no code text)."""
-    folder = tmp_path_factory.mktemp("eagle_train")
+def token_prompts(folder: Path) -> Path:
+    """24 training prompts of 5-11 random token ids (the tiny models have no tokenizer)."""
     gen = torch.Generator().manual_seed(3)
     prompts = folder / "prompts.jsonl"
     lines = [{"prompt_ids": torch.randint(2, VOCAB - 1, (5 + i % 7,), generator=gen).tolist()} for i in range(24)]
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_folder, tiny_bundle, tmp_path_factory):
+    """A drafter trained on the tiny Llama's own greedy replies (it has no tokenizer: no code text)."""
+    folder = tmp_path_factory.mktemp("eagle_train")
+    prompts = token_prompts(folder)
     out = folder / "eagle.safetensors"
     report = train_eagle(str(tiny_folder("llama")), out, prompts=str(prompts), max_new_tokens=48, epochs=30,
                          lr=3e-3, batch_size=4, holdout=0.2, curve=2, threads=1, progress=False,

@@ -29,7 +29,14 @@ import torch
 from specgraph import draft_vocab
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
-from specgraph.methods.draft import ModelDrafts, add_adaptive_flag, check_adaptive, finish_drafts, quantise_drafter
+from specgraph.methods.draft import (
+    ModelDrafts,
+    add_drafting_flags,
+    check_adaptive,
+    finish_drafts,
+    quantise_drafter,
+    shipped_file,
+)
 from specgraph.methods.eagle.drafter import EagleDrafter, load_drafter
 from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.passes._infra import PassContext, PassResult, cleanup, output_values, set_outputs
@@ -39,7 +46,6 @@ _I64 = torch.int64
 DRAFT_VOCAB = draft_vocab.MEDUSA_DEFAULT  # tokens the readout scores where the model has a ranking
 # The drafters that ship with the package, by the fingerprint of the model they were trained for
 SHIPPED = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-eagle.safetensors"}  # SmolLM2-135M-Instruct
-_DIR = Path(__file__).resolve().parents[2] / "data" / "heads"
 DRAFTER_WEIGHTS = {"int8": 8, "int4": 4, "fp32": None}  # --eagle-weights: bits of the drafter's blocks
 DRAFTER_BLOCK = 32  # weights per block of the drafter's matrices
 
@@ -140,19 +146,10 @@ class EagleMethod(Method):
         group.add_argument("--eagle-weights", choices=list(DRAFTER_WEIGHTS),
                            help="eagle: the drafter's matrices as int8 (the default) or int4 blocks with int8 "
                                 "activations, or fp32; it only proposes, so this costs acceptance, never exactness")  # fmt: skip
-        group.add_argument(
-            "--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2)"
-        )
-        add_adaptive_flag(group)
-        draft_vocab.add_flags(group)
+        add_drafting_flags(group)
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--corpus-mb", type=float, default=1.0,
-                           help="eagle: MB of the Python standard library's sources to train on, beside the "
-                                "target's replies to --prompts (default 1.0)")  # fmt: skip
-        group.add_argument("--seq-len", type=int, default=256, help="eagle: tokens per code window (default 256)")
-        group.add_argument("--curve", type=int, default=4,
-                           help="eagle: held-out acceptance measured this many times while training (default 4)")  # fmt: skip
+        add_corpus_flags(group)
 
     def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
         from specgraph.methods.eagle.train import train_eagle
@@ -165,13 +162,8 @@ class EagleMethod(Method):
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> EagleDrafter:
         opts: EagleOptions = cfg.opts
         fingerprint = model_fingerprint(loaded)
-        path = opts.eagle
-        if path is None:
-            shipped = SHIPPED.get(fingerprint or "")
-            if shipped is None:
-                raise InputError(f"--method eagle needs --eagle for {loaded.name}: train a drafter with "
-                                 "`specgraph train --method eagle`")  # fmt: skip
-            path = str(_DIR / shipped)
+        path = shipped_file(opts.eagle, SHIPPED, fingerprint, f"--method eagle needs --eagle for {loaded.name}: "
+                            "train a drafter with `specgraph train --method eagle`")  # fmt: skip
         drafter = load_drafter(path, anatomy.hidden_size, anatomy.vocab_size)
         if fingerprint and drafter.meta.get("fingerprint") not in (None, fingerprint):
             raise InputError(f"{Path(path).name} was trained for another model ({drafter.meta.get('model', '?')}), "
@@ -207,6 +199,18 @@ class EagleMethod(Method):
                                                    "command") if k in meta}  # fmt: skip
         summary = f"EAGLE drafter, {cfg.opts.num_draft} tokens per round"
         return finish_drafts(staging, engine, section, summary, cfg.opts.adaptive_threshold, measure)
+
+
+def add_corpus_flags(group: argparse._ArgumentGroup) -> None:
+    """`specgraph train` flags of the teacher-forced corpus (`train.py`), shared with early-exit:
+    the first method to add them serves both (a group shares its parser's flags)."""
+    flags = [("--corpus-mb", float, 1.0, "MB of the Python standard library's sources to train on, beside the "
+                                          "target's replies to --prompts (default 1.0)"),
+             ("--seq-len", int, 256, "tokens per code window (default 256)"),
+             ("--curve", int, 4, "held-out acceptance measured this many times while training (default 4)")]  # fmt: skip
+    for flag, kind, default, text in flags:
+        if flag not in group._option_string_actions:
+            group.add_argument(flag, type=kind, default=default, help=f"eagle, early-exit: {text}")
 
 
 EAGLE = EagleMethod()

@@ -25,7 +25,8 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,9 @@ def train_eagle(
     plus the losses and timings. `draft_vocab_size`: tokens the readout scores (None: the
     default reduced vocabulary where the model has a ranking, else all; 0: all). `engine_bundle`:
     a compiled `none` bundle of the model to generate the replies with (default: one is compiled)."""
-    if epochs < 1 or batch_size < 1 or threads < 1 or seq_len < 8 or curve < 1 or not lr > 0 or corpus_mb < 0:
-        raise InputError("epochs, batch size, threads and --curve must be at least 1, --seq-len at least 8, "
-                         "lr positive and --corpus-mb not negative")  # fmt: skip
-    inputs = _inputs(model, prompts, engine_bundle)
-    output = check_output(output, HEADS, inputs, force)
-    check_output(_cache_path(output), GEN_CACHE, inputs, force)
+    text = Text(prompts, corpus_mb, max_new_tokens, seq_len, holdout, seed)
+    inputs, output = check_run(model, output, text, Schedule(epochs, lr, batch_size, curve), threads, engine_bundle,
+                               force)  # fmt: skip
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     timings: dict[str, float] = {}
@@ -82,42 +80,17 @@ def train_eagle(
     torch.manual_seed(seed)
     try:
         t0 = time.perf_counter()
-        loaded = load_model(model)
-        hf = loaded.hf_model
-        lm_head = hf.get_output_embeddings() if hf is not None else None
-        if hf is None or lm_head is None:
-            raise InputError(f"{model}: training an EAGLE drafter needs a Hugging Face model with an LM head")
-        hf.eval()
-        embed = hf.get_input_embeddings().get_parameter("weight").detach()  # [V, H], frozen
-        lm_weight = lm_head.weight.detach()
-        vocab, hidden = lm_weight.shape
-        fingerprint = model_fingerprint(loaded)
         from specgraph.methods.eagle import DRAFT_VOCAB
 
-        chosen = draft_vocab.choose(draft_vocab_size, None, DRAFT_VOCAB, fingerprint, vocab, loaded.name)
-        ids = torch.arange(vocab) if chosen is None else chosen[0].to(torch.int64)
-        index = torch.full((vocab,), IGNORE, dtype=torch.int64)
-        index[ids] = torch.arange(len(ids))  # token id -> draft-vocabulary index
-        readout = lm_weight[ids]  # [V_d, H]
+        teacher = load_teacher(model, draft_vocab_size, DRAFT_VOCAB, "an EAGLE drafter")
+        loaded, hf, index, readout = teacher.loaded, teacher.hf, teacher.index, teacher.readout
+        embed = hf.get_input_embeddings().get_parameter("weight").detach()  # [V, H], frozen
+        vocab, hidden = teacher.lm_weight.shape
         timings["load_s"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        chats, cached = _generate(model, loaded, prompts, output, max_new_tokens, threads, engine_bundle, progress,
-                                  (inputs, force))  # fmt: skip
-        # a reply's entries count from its prompt's last position on (the first draft of a reply
-        # comes from there); the chat template and prompt before it are context only
-        chat_seqs = [((p + r)[-seq_len:], max(0, len(p) - 1 - max(0, len(p) + len(r) - seq_len))) for p, r in chats]
-        code_seqs, files = _code_windows(loaded, corpus_mb, seq_len, seed)
-        timings["text_s"] = time.perf_counter() - t0
-        held_chat, train_chat = _split(chat_seqs, holdout, seed)
-        held_code, train_code = _split(code_seqs, holdout, seed) if len(code_seqs) >= 2 else ([], code_seqs)
-
-        t0 = time.perf_counter()
-        train = _features(hf, lm_head, train_chat + train_code, batch_size, progress, "features (train)")
-        held = {"chat": _features(hf, lm_head, held_chat, batch_size, progress, "features (held-out chat)")}
-        if held_code:
-            held["code"] = _features(hf, lm_head, held_code, batch_size, progress, "features (held-out code)")
-        timings["features_s"] = time.perf_counter() - t0
+        train, held, info = teacher_sets(model, loaded, text, output, batch_size, threads, engine_bundle, progress,
+                                         (inputs, force))  # fmt: skip
+        timings.update(info.pop("timings"))
 
         drafter = EagleDrafter(Shape.for_model(hf.config, hidden, vocab))
         t0 = time.perf_counter()
@@ -130,26 +103,149 @@ def train_eagle(
     train_tokens = sum(len(s[0]) - 1 - s[3] for s in train)  # the entries the loss counts
     meta: dict[str, Any] = {
         "model": loaded.name,
-        "fingerprint": fingerprint,
+        "fingerprint": teacher.fingerprint,
         "shape": asdict(drafter.shape),
         "acceptance": final["acceptance"],  # per held-out set: [depth 1, depth 2]
         "expected_tokens": final["expected_tokens"],
         "train_tokens": train_tokens,
-        "corpus": {
-            "code": f"{corpus.LICENCE}, {corpus_mb} MB ({files} files, {len(train_code)} windows of "
-            f"{seq_len} tokens for training)",
-            "chat": f"the target's greedy replies to {prompts} ({len(train_chat)} for training)",
-        },  # fmt: skip
-        "draft_vocab": None if chosen is None else {k: v for k, v in chosen[1].items() if k != "ids"},
+        "corpus": corpus_meta(text, info),
+        "draft_vocab": teacher.vocab_meta(),
         "curve": points,
         "command": command or f"specgraph train --method eagle {model} -o {output}",
     }
-    write_file(output, lambda tmp: save_drafter(tmp, drafter, meta), HEADS, inputs, force)
-    result = {**meta, "epoch_loss": [round(v, 5) for v in losses], "generation_cached": cached,
+    save = lambda tmp: save_drafter(tmp, drafter, meta)  # noqa: E731
+    return save_and_report(
+        output, save, meta, losses, info, timings, (inputs, force), format_curve if progress else None
+    )
+
+
+@dataclass
+class Teacher:
+    """The frozen target as a training run reads it, with the drafter's reduced readout."""
+
+    loaded: Any  # LoadedModel
+    hf: Any  # its Hugging Face model, eval()
+    lm_weight: torch.Tensor  # [V, H] the LM head
+    fingerprint: str | None
+    chosen: tuple[torch.Tensor, dict[str, Any]] | None  # the draft vocabulary (None: all tokens)
+    index: torch.Tensor  # [V] token id -> draft-vocabulary index, IGNORE outside it
+    readout: torch.Tensor  # [V_d, H] the LM head's rows for the draft vocabulary
+
+    def vocab_meta(self) -> dict[str, Any] | None:
+        return None if self.chosen is None else {k: v for k, v in self.chosen[1].items() if k != "ids"}
+
+
+def load_teacher(model: str, draft_vocab_size: int | None, default_vocab: int, what: str) -> Teacher:
+    """Load the target for training `what`; InputError unless it is a Hugging Face model with an LM head."""
+    loaded = load_model(model)
+    hf = loaded.hf_model
+    lm_head = hf.get_output_embeddings() if hf is not None else None
+    if hf is None or lm_head is None:
+        raise InputError(f"{model}: training {what} needs a Hugging Face model with an LM head")
+    hf.eval()
+    lm_weight = lm_head.weight.detach()
+    fingerprint = model_fingerprint(loaded)
+    chosen = draft_vocab.choose(draft_vocab_size, None, default_vocab, fingerprint, lm_weight.shape[0], loaded.name)
+    index, readout = reduced_readout(lm_weight, chosen)
+    return Teacher(loaded, hf, lm_weight, fingerprint, chosen, index, readout)
+
+
+def save_and_report(output: Path, save: Callable[[Path], None], meta: dict[str, Any], losses: list[float],
+                    info: dict[str, Any], timings: dict[str, float], guard: tuple[Any, bool],
+                    curve: Callable[[dict[str, Any]], str] | None) -> dict[str, Any]:  # fmt: skip
+    """Write the drafter file and return the run's report (its meta, losses, timings), printing
+    the held-out curve with `curve` (None: quietly)."""
+    write_file(output, save, HEADS, *guard)
+    result = {**meta, "epoch_loss": [round(v, 5) for v in losses], "generation_cached": info["cached"],
               "timings": {k: round(v, 2) for k, v in timings.items()}}  # fmt: skip
-    if progress:
-        print(format_curve(result), file=sys.stderr)
+    if curve is not None:
+        print(curve(result), file=sys.stderr)
     return result
+
+
+@dataclass(frozen=True)
+class Text:
+    """What a drafter trains on: the target's replies to `prompts` and `corpus_mb` MB of code in
+    windows of `seq_len` tokens, `holdout` of each kind held out."""
+
+    prompts: str = "train"
+    corpus_mb: float = 1.0
+    max_new_tokens: int = 128
+    seq_len: int = 256
+    holdout: float = 0.05
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    epochs: int = 2
+    lr: float = 1e-3
+    batch_size: int = 8
+    curve: int = 4  # held-out evaluations while training
+
+
+def check_run(model: str, output: str | Path, text: Text, schedule: Schedule, threads: int, engine_bundle: str | None,
+              force: bool) -> tuple[list[str | Path | None], Path]:  # fmt: skip
+    """Refuse bad settings and outputs before anything runs; (what the run reads, the output path)."""
+    if schedule.epochs < 1 or schedule.batch_size < 1 or threads < 1 or text.seq_len < 8 or schedule.curve < 1 \
+            or not schedule.lr > 0 or text.corpus_mb < 0:  # fmt: skip
+        raise InputError("epochs, batch size, threads and --curve must be at least 1, --seq-len at least 8, "
+                         "lr positive and --corpus-mb not negative")  # fmt: skip
+    inputs = _inputs(model, text.prompts, engine_bundle)
+    path = check_output(output, HEADS, inputs, force)
+    check_output(_cache_path(path), GEN_CACHE, inputs, force)
+    return inputs, path
+
+
+def reduced_readout(
+    lm_weight: torch.Tensor, chosen: tuple[torch.Tensor, Any] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token id -> draft-vocabulary index, IGNORE outside it [V]; the LM head's rows [V_d, H])."""
+    vocab = lm_weight.shape[0]
+    ids = torch.arange(vocab) if chosen is None else chosen[0].to(torch.int64)
+    index = torch.full((vocab,), IGNORE, dtype=torch.int64)
+    index[ids] = torch.arange(len(ids))
+    return index, lm_weight[ids]
+
+
+def teacher_sets(model: str, loaded: Any, text: Text, output: Path, batch_size: int, threads: int,
+                 engine_bundle: str | None, progress: bool, guard: tuple[Any, bool],
+                 layer: int | None = None) -> tuple[list[Any], dict[str, list[Any]], dict[str, Any]]:  # fmt: skip
+    """The teacher-forced training set and the held-out sets by kind (chat, code) of `_features`
+    (with the hidden state after `layer` too, when given), and what was read: the numbers of
+    training replies and windows, the code files, whether the replies came from the cache, the
+    seconds each stage took."""
+    hf = loaded.hf_model
+    lm_head = hf.get_output_embeddings()
+    t0 = time.perf_counter()
+    chats, cached = _generate(model, loaded, text.prompts, output, text.max_new_tokens, threads, engine_bundle,
+                              progress, guard)  # fmt: skip
+    # a reply's entries count from its prompt's last position on (the first draft of a reply
+    # comes from there); the chat template and prompt before it are context only
+    seq_len = text.seq_len
+    chat_seqs = [((p + r)[-seq_len:], max(0, len(p) - 1 - max(0, len(p) + len(r) - seq_len))) for p, r in chats]
+    code_seqs, files = _code_windows(loaded, text.corpus_mb, seq_len, text.seed)
+    text_s = time.perf_counter() - t0
+    held_chat, train_chat = _split(chat_seqs, text.holdout, text.seed)
+    held_code, train_code = _split(code_seqs, text.holdout, text.seed) if len(code_seqs) >= 2 else ([], code_seqs)
+
+    t0 = time.perf_counter()
+    train = _features(hf, lm_head, train_chat + train_code, batch_size, progress, "features (train)", layer)
+    held = {"chat": _features(hf, lm_head, held_chat, batch_size, progress, "features (held-out chat)", layer)}
+    if held_code:
+        held["code"] = _features(hf, lm_head, held_code, batch_size, progress, "features (held-out code)", layer)
+    timings = {"text_s": text_s, "features_s": time.perf_counter() - t0}
+    info = {"chats": len(train_chat), "windows": len(train_code), "files": files, "cached": cached, "timings": timings}
+    return train, held, info
+
+
+def corpus_meta(text: Text, info: dict[str, Any]) -> dict[str, str]:
+    """The training text as a drafter file's header names it."""
+    return {
+        "code": f"{corpus.LICENCE}, {text.corpus_mb} MB ({info['files']} files, {info['windows']} windows of "
+        f"{text.seq_len} tokens for training)",
+        "chat": f"the target's greedy replies to {text.prompts} ({info['chats']} for training)",
+    }
 
 
 def _code_windows(loaded: Any, mb: float, seq_len: int, seed: int) -> tuple[list[tuple[list[int], int]], int]:
@@ -168,9 +264,10 @@ def _code_windows(loaded: Any, mb: float, seq_len: int, seed: int) -> tuple[list
 
 @torch.no_grad()
 def _features(hf: Any, lm_head: Any, seqs: list[tuple[list[int], int]], batch_size: int, progress: bool,
-              desc: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:  # fmt: skip
+              desc: str, layer: int | None = None) -> list[tuple[Any, ...]]:  # fmt: skip
     """Per (sequence, first counted entry): (tokens [L], features [L, H] bfloat16, the target's
-    argmax [L], the first counted entry)."""
+    argmax [L], the first counted entry) and, with `layer`, the hidden state after that many
+    decoder layers [L, H] bfloat16 (early exit's input)."""
     out = []
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a batch
     bar = tqdm(total=sum(len(s) for s, _ in seqs), desc=desc, unit="tok", file=sys.stderr, disable=not progress)
@@ -178,11 +275,20 @@ def _features(hf: Any, lm_head: Any, seqs: list[tuple[list[int], int]], batch_si
         group = [seqs[i] for i in order[start : start + batch_size]]
         width = max(len(s) for s, _ in group)
         ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s, _ in group])  # right padding: causal, unread
-        feats = hf.model(ids).last_hidden_state  # [b, W, H] after the final norm: the LM head's input
+        run = hf.model(ids, output_hidden_states=layer is not None)
+        feats = run.last_hidden_state  # [b, W, H] after the final norm: the LM head's input
         top = lm_head(feats).argmax(-1)  # [b, W]
         for row, (s, first) in enumerate(group):
             n = len(s)
-            out.append((ids[row, :n].clone(), feats[row, :n].to(torch.bfloat16), top[row, :n].clone(), first))
+            entry: tuple[Any, ...] = (
+                ids[row, :n].clone(),
+                feats[row, :n].to(torch.bfloat16),
+                top[row, :n].clone(),
+                first,
+            )
+            if layer is not None:  # hidden_states[0] is the embedding's output
+                entry += (run.hidden_states[layer][row, :n].to(torch.bfloat16),)
+            out.append(entry)
         bar.update(sum(len(s) for s, _ in group))
     bar.close()
     return out
@@ -196,7 +302,7 @@ def _batch(embed, index, seqs, noise):  # type: ignore[no-untyped-def]
     emb, feat, goal = torch.zeros(b, width, h), torch.zeros(b, width, h), torch.zeros(b, width, h)
     label = torch.full((b, width), IGNORE, dtype=torch.int64)
     real = torch.zeros(b, width, dtype=torch.bool)
-    for i, (tokens, f, top, first) in enumerate(seqs):
+    for i, (tokens, f, top, first) in enumerate(s[:4] for s in seqs):
         n = len(tokens) - 1
         emb[i, :n] = embed[tokens[1:]]
         f = f.to(torch.float32)
@@ -210,34 +316,46 @@ def _batch(embed, index, seqs, noise):  # type: ignore[no-untyped-def]
 
 
 def _train(drafter, embed, readout, index, train, held, epochs, lr, batch_size, curve, rng, progress):  # type: ignore[no-untyped-def]
-    steps = epochs * math.ceil(len(train) / batch_size)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
+    def loss_of(batch):  # type: ignore[no-untyped-def]
+        emb, feat, goal, label, real = _batch(embed, index, batch, NOISE)
+        pred = drafter.sequence(emb, feat)
+        reg = torch.nn.functional.smooth_l1_loss(pred[real], goal[real])
+        ce = torch.nn.functional.cross_entropy((pred @ readout.T)[real], label[real], ignore_index=IGNORE)
+        return reg + CE_WEIGHT * ce, int(real.sum())
+
+    evaluate = lambda: _evaluate(drafter, embed, readout, index, held, batch_size)  # noqa: E731
+    return fit(drafter, loss_of, evaluate, train, Schedule(epochs, lr, batch_size, curve), rng, progress)
+
+
+def fit(module: torch.nn.Module, loss_of: Callable[[list[Any]], tuple[torch.Tensor, int]],
+        evaluate: Callable[[], dict[str, Any]], train: list[Any], schedule: Schedule, rng: random.Random,
+        progress: bool) -> tuple[list[float], list[dict[str, Any]]]:  # fmt: skip
+    """AdamW with cosine decay over `module`'s trainable parameters, `schedule.epochs` shuffled
+    passes over `train` in batches; `loss_of(batch)` gives (loss, entries it counted). Returns the
+    mean loss per epoch and `schedule.curve` points of `evaluate()` against the entries seen."""
+    steps = schedule.epochs * math.ceil(len(train) / schedule.batch_size)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=schedule.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    marks = {round(steps * (i + 1) / curve) for i in range(curve)}
+    marks = {round(steps * (i + 1) / schedule.curve) for i in range(schedule.curve)}
     losses, points, seen, step, t0 = [], [], 0, 0, time.perf_counter()
     bar = tqdm(total=steps, desc="train", unit="step", file=sys.stderr, disable=not progress)
-    for _ in range(epochs):
+    for _ in range(schedule.epochs):
         order = list(range(len(train)))
         rng.shuffle(order)
         total, count = 0.0, 0
-        for start in range(0, len(order), batch_size):
-            batch = [train[i] for i in order[start : start + batch_size]]
-            emb, feat, goal, label, real = _batch(embed, index, batch, NOISE)
-            pred = drafter.sequence(emb, feat)
-            reg = torch.nn.functional.smooth_l1_loss(pred[real], goal[real])
-            ce = torch.nn.functional.cross_entropy((pred @ readout.T)[real], label[real], ignore_index=IGNORE)
-            loss = reg + CE_WEIGHT * ce
+        for start in range(0, len(order), schedule.batch_size):
+            loss, counted = loss_of([train[i] for i in order[start : start + schedule.batch_size]])
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
-            total, count, step = total + float(loss.detach()), count + 1, step + 1
-            seen += int(real.sum())
+            value = float(loss.detach())
+            total, count, step, seen = total + value, count + 1, step + 1, seen + counted
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{value:.3f}")
             if step in marks:
-                points.append({"train_tokens": seen, "seconds": round(time.perf_counter() - t0, 1),
-                               **_evaluate(drafter, embed, readout, index, held, batch_size)})  # fmt: skip
+                points.append({"train_tokens": seen, "seconds": round(time.perf_counter() - t0, 1), **evaluate()})
         losses.append(total / max(count, 1))
     bar.close()
     return losses, points
