@@ -19,6 +19,8 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
+from specgraph.exporters.gemm import outer_reads
+
 
 def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, str], count: str, tokens: str) -> int:
     """Rewrite `path` in place (its external data is untouched); return how many nodes moved.
@@ -78,22 +80,10 @@ def _slice(graph: onnx.GraphProto, producer: dict, names: list[str]) -> set[int]
         if id(node) in seen:
             continue
         seen.add(id(node))
-        for name in [*node.input, *_outer_reads(node)]:
+        for name in [*node.input, *outer_reads(node)]:
             if name in producer:
                 stack.append(producer[name])
     return seen
-
-
-def _outer_reads(node: onnx.NodeProto) -> list[str]:
-    """Names a node's subgraphs (If, Loop, Scan) read from the enclosing scope."""
-    names: list[str] = []
-    for attr in node.attribute:
-        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-            made = {o for n in sub.node for o in n.output} | {i.name for i in sub.input}
-            made |= {t.name for t in sub.initializer}
-            for n in sub.node:
-                names += [i for i in [*n.input, *_outer_reads(n)] if i and i not in made]
-    return names
 
 
 def _like(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:

@@ -161,15 +161,27 @@ def _output_shape_nodes(n_out: int, name: str, leading_input: str) -> list[onnx.
 
 
 def drop_dead(graph: onnx.GraphProto) -> None:
-    """Remove nodes and initializers nothing reads any more."""
+    """Remove nodes and initializers nothing reads any more (an `If` branch's reads count)."""
     live = {o.name for o in graph.output}
     keep = []
     for node in reversed(list(graph.node)):
         if any(o in live for o in node.output):
             keep.append(node)
-            live.update(node.input)
+            live.update([*node.input, *outer_reads(node)])
     del graph.node[:]
     graph.node.extend(reversed(keep))
     inits = [t for t in graph.initializer if t.name in live]
     del graph.initializer[:]
     graph.initializer.extend(inits)
+
+
+def outer_reads(node: onnx.NodeProto) -> list[str]:
+    """Names a node's subgraphs (If, Loop, Scan) read from the enclosing scope."""
+    names: list[str] = []
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            made = {o for n in sub.node for o in n.output} | {i.name for i in sub.input}
+            made |= {t.name for t in sub.initializer}
+            for n in sub.node:
+                names += [i for i in [*n.input, *outer_reads(n)] if i and i not in made]
+    return names

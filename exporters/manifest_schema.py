@@ -187,7 +187,7 @@ _SCHEMA = _obj(
                 "constants": _map(_constant, 64),
                 "extra_slots": _int(0, 4096),
             },
-            {"weights": _optional(_relative_path), "opset": _int(1, 1000)},
+            {"weights": _optional(_relative_path), "opset": _int(1, 1000), "fused_attention": _int(0, 4096)},
         ),
         "files": _map(_obj({"size": _int(0, 1 << 50), "sha256": _digest}), _MAX_FILES, _relative_path),
     },

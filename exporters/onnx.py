@@ -17,6 +17,7 @@ import torch
 
 from specgraph.errors import ExportError
 from specgraph.exporters.gemm import matmul_to_gemm
+from specgraph.exporters.gqa import fuse_cached_attention
 from specgraph.exporters.rotary import fuse_rotary
 from specgraph.ops import ONNX_TRANSLATIONS
 from specgraph.sampling import ONNX_TRANSLATIONS as SAMPLING_TRANSLATIONS
@@ -61,8 +62,12 @@ def _optimize_without_rewrites(model: Any) -> None:
     )(model)
 
 
-def export_onnx(engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path) -> onnx.ModelProto:
-    """Trace `engine` and write `path` plus `path.name + '.data'` (the weights)."""
+def export_onnx(
+    engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path, heads: list[tuple[int, int, float]] | None = None
+) -> onnx.ModelProto:
+    """Trace `engine` and write `path` plus `path.name + '.data'` (the weights). `heads` (num_heads,
+    kv_num_heads, scale per target layer) lets a chain engine without sliding windows run each
+    layer's cached attention as one fused node (`exporters/gqa.py`)."""
     inputs, outputs = engine.io_names()
     args = engine.example_inputs(kv_shapes)
     dyn = engine.dynamic_shapes(args)
@@ -91,5 +96,7 @@ def export_onnx(engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path) ->
     program.save(str(path), external_data=True)
     matmul_to_gemm(path, drafter=getattr(engine, "drafter_weights", None))
     fuse_rotary(path)
+    if heads and isinstance(engine, StepEngine) and engine.sliding_window is None:  # the causal chain mask
+        fuse_cached_attention(path, heads)
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)

@@ -149,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--block-size", type=_positive, default=32, help="int8/int4: weights per quantisation block (default 32)"
     )
+    c.add_argument(
+        "--attention",
+        default="fused",
+        choices=["fused", "portable"],
+        help="fused (default): each layer's attention around the KV cache is one ONNX Runtime "
+        "GroupQueryAttention node (com.microsoft) where the engine allows it (chain engines without sliding "
+        "windows): fewer nodes, faster steps. portable: standard ONNX operators only, for other runtimes "
+        "(TensorRT)",
+    )
     c.add_argument("--emit-logits", action="store_true", help="also output logits (for testing; slower)")
     c.add_argument("--json", action="store_true", help="print the compile report as JSON")
     for method in methods.REGISTRY.values():
@@ -320,7 +329,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     shared = dict(max_context=args.max_context, emit_logits=args.emit_logits, sampling=not args.no_sampling,
                   force=args.force, weights=args.weights, activations=args.activations,
-                  block_size=args.block_size)  # fmt: skip
+                  block_size=args.block_size, attention=args.attention)  # fmt: skip
     if args.method == "auto":
         return _compile_auto(args, shared)
     for name in _AUTO_FLAGS:

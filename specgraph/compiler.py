@@ -65,6 +65,7 @@ class CompileConfig:
     weights: str = "source"  # source | fp32 | int8 | int4 (see specgraph/weights.py)
     activations: str = "fp32"  # fp32 (exact against the weights) | int8 (MatMulNBits accuracy level 4)
     block_size: int = 32  # int8 / int4: weights per quantisation block
+    attention: str = "fused"  # fused (ONNX Runtime's GroupQueryAttention where it fits) | portable (standard ONNX only)
     force: bool = False  # replace an existing output specgraph did not make (see specgraph/outputs.py)
     options: Options | None = None  # the method's settings; None = its defaults
 
@@ -96,6 +97,8 @@ class CompileConfig:
         if not isinstance(self.opts, method.options_type):
             raise InputError(f"--method {self.method} takes {method.options_type.__name__}, "
                              f"got {type(self.opts).__name__}")  # fmt: skip
+        if self.attention not in ("fused", "portable"):
+            raise InputError(f"--attention must be fused or portable, got {self.attention!r}")
         if not 16 <= self.max_context <= 131072:
             raise InputError(f"--max-context must be between 16 and 131072, got {self.max_context}")
         self.opts.check()
@@ -179,7 +182,10 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
     try:
         t0 = time.perf_counter()
         say("export onnx")
-        model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx")
+        heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if cfg.attention == "fused" else None
+        model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads)
+        fused = _fused_layers(model_proto)
+        counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused}
         times["export"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
@@ -243,7 +249,12 @@ def _graph_section(model_proto: Any, engine: Any, inputs: list[str], outputs: li
         # bind output[:, :1 + max(count)] only: columns past every row's count are padding
         "trims": dict(engine.trims),
         "extra_slots": int(engine.extra_slots),  # cache slots a call writes beyond its tokens
+        "fused_attention": _fused_layers(model_proto),  # layers run by GroupQueryAttention (exporters/gqa.py)
     }
+
+
+def _fused_layers(model_proto: Any) -> int:
+    return sum(n.op_type == "If" and n.name.startswith("gqa") for n in model_proto.graph.node)
 
 
 def _constant(value: np.ndarray) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""The fused cached attention (`exporters/gqa.py`): which engines get it, and that both of its
+branches (ONNX Runtime's `GroupQueryAttention`, and the generic nodes for a batched verify)
+compute what the unfused engine computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from specgraph.runtime import Engine
+from tests.models.tiny import build
+
+
+def _ops(bundle) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                for inner in attr.g.node:
+                    counts[inner.op_type] = counts.get(inner.op_type, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["none", "lookup"])
+def test_every_layer_of_a_chain_engine_is_fused(family, method, tiny_bundle):
+    layers = build(family).config.num_hidden_layers
+    ops = _ops(tiny_bundle(family, method))
+    assert ops.get("GroupQueryAttention") == layers
+    assert ops.get("If", 0) >= layers  # one a layer: the fused node, or the generic one for a batched verify
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt2"])
+def test_sliding_windows_and_models_without_rotary_keep_the_generic_attention(family, tiny_bundle):
+    assert "GroupQueryAttention" not in _ops(tiny_bundle(family, "none"))
+
+
+def _logits(engine: Engine, rows: list[list[int]], cache_len: list[int], state) -> np.ndarray:  # type: ignore[no-untyped-def]
+    feeds = {
+        "tokens": np.asarray(rows, np.int64),
+        "n_fixed": np.full(len(rows), len(rows[0]), np.int64),
+        "cache_len": np.asarray(cache_len, np.int64),
+    }
+    return engine.call(engine.session.io_binding(), feeds, state)["logits"].numpy()
+
+
+def test_a_batched_verify_equals_each_row_verified_alone(tiny_bundle):
+    """Two rows of three tokens over caches of different lengths take the generic branch (ONNX
+    Runtime's kernel refuses them); each row alone takes the fused one. Same logits."""
+    engine = Engine(tiny_bundle("llama", "none"))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43]]
+    drafts = [[12, 13, 14], [44, 45, 46]]
+    alone = []
+    for prompt, draft in zip(prompts, drafts, strict=True):
+        state = engine.new_state(1)
+        _logits(engine, [prompt], [0], state)  # prefill, batch 1: fused
+        alone.append(_logits(engine, [draft], [len(prompt)], state)[0])  # verify, batch 1: fused
+    state = engine.new_state(2)
+    width = max(map(len, prompts))
+    padded = [p + [0] * (width - len(p)) for p in prompts]
+    _logits(engine, padded, [0, 0], state)  # batched prefill over empty caches: fused
+    batched = _logits(engine, drafts, [len(p) for p in prompts], state)  # generic branch
+    for got, want in zip(batched, alone, strict=True):
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
