@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -39,20 +40,24 @@ _KEYS_T = [0, 1, 3, 2]  # [B, Hkv, T, D] -> [B, Hkv, D, T]
 
 @dataclass
 class _Layer:
-    index: int
     q_flat: str  # [B, T, H*D] before rotary
     k_flat: str  # [B, T, Hkv*D]
     v_flat: str
     rotary: onnx.NodeProto  # the key's RotaryEmbedding (its cos, sin and attributes serve both)
     key_write: onnx.NodeProto
+    value_write: onnx.NodeProto
     key_slice: onnx.NodeProto
+    mask: str  # the run's attention mask: layers that share it and the write position share lengths
     out: str  # [B, T, H*D], what the output projection reads
     inside: list[onnx.NodeProto]  # every node from the flats to `out` and the cache writes
 
 
-def fuse_cached_attention(path: Path, heads: list[tuple[int, int, float]]) -> tuple[int, int]:
-    """Rewrite `path` in place; `heads[i]` = (num_heads, kv_num_heads, scale) of target layer i.
-    Return (layers fused, layers left as they were)."""
+def fuse_cached_attention(path: Path, heads: dict[str, list[tuple[int, int, float]]]) -> dict[str, int]:
+    """Rewrite `path` in place. `heads` maps a key-cache input prefix (`past_key_`, a drafter's
+    `draft_past_key_`) to (num_heads, kv_num_heads, scale) for each layer i of that model; the
+    cache `{prefix}{i}` may be written by several runs (a drafter's unrolled steps), each reading
+    the previous run's output. A cache is fused in every run or in none, since its layout changes.
+    Return {prefix: attention nodes fused}."""
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
@@ -62,20 +67,32 @@ def fuse_cached_attention(path: Path, heads: list[tuple[int, int, float]]) -> tu
             users.setdefault(i, []).append(n)
     consts = _constants(graph)
     order = {id(n): k for k, n in enumerate(graph.node)}
-    layers = [_match(i, scale, graph, producer, users, consts, order) for i, (_, _, scale) in enumerate(heads)]
-    found = [layer for layer in layers if layer is not None]
-    if not found:
-        return 0, len(heads)
-    shared = _shared_inputs(found[0].q_flat)
+    plans: list[tuple[str, _Layer, tuple[int, int, float]]] = []
+    counts: dict[str, int] = {}
+    for prefix, per_layer in heads.items():
+        counts[prefix] = 0
+        for i, spec in enumerate(per_layer):
+            runs = _cache_runs(f"{prefix}{i}", f"{prefix.replace('key', 'value')}{i}", spec, graph, producer,
+                               users, consts, order)  # fmt: skip
+            if runs is None:
+                continue
+            _relayout_keys(graph, f"{prefix}{i}", runs[-1].key_write.output[0])
+            plans += [(f"gqa.{prefix}{i}.{r}", layer, spec) for r, layer in enumerate(runs)]
+            counts[prefix] += len(runs)
+    if not plans:
+        return counts
+    groups: dict[tuple[str, str], str] = {}  # (mask, write position) -> the lengths' name prefix
     replace: dict[int, list[onnx.NodeProto]] = {}
     drop: set[int] = set()
-    for n, layer in enumerate(found):
-        num_heads, kv_heads, scale = heads[layer.index]
-        node = _layer_if(layer, num_heads, kv_heads, scale, _elem_type(graph, layer.index))
-        replace[id(layer.inside[-1])] = ([*shared] if n == 0 else []) + [node]
+    for name, layer, spec in sorted(plans, key=lambda p: order[id(p[1].inside[-1])]):
+        key = (layer.mask, layer.key_write.input[2])
+        first = key not in groups
+        lengths = groups.setdefault(key, f"gqa.run{len(groups)}")
+        node = _layer_if(name, layer, lengths, *spec, _elem_type(graph, producer, layer))
+        shared = _lengths(lengths, layer.q_flat, layer.key_write.input[2]) if first else []
+        replace[id(layer.inside[-1])] = [*shared, node]
         drop.update(id(x) for x in layer.inside)
-        _relayout_keys(graph, layer.index)
-    moved = {o for layer in found for x in layer.inside for o in x.output}
+    moved = {o for _, layer, _ in plans for x in layer.inside for o in x.output}
     nodes: list[onnx.NodeProto] = []
     for x in graph.node:
         nodes += replace.get(id(x), [] if id(x) in drop else [x])
@@ -87,8 +104,30 @@ def fuse_cached_attention(path: Path, heads: list[tuple[int, int, float]]) -> tu
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save_model(model, str(path))
-    logger.debug("fused the cached attention of %d layers (%d left)", len(found), len(heads) - len(found))
-    return len(found), len(heads) - len(found)
+    logger.debug("fused cached attention: %s", counts)
+    return counts
+
+
+def _cache_runs(key, value, spec, graph, producer, users, consts, order):  # type: ignore[no-untyped-def]
+    """The `_Layer` of every run that writes the caches `key` / `value` (graph inputs), in order,
+    or None (reason logged) unless every run matches and the value writes follow the same chain."""
+    free = _layout_free(users)
+    runs: list[_Layer] = []
+    cache, value_cache = key, value
+    while True:
+        writes = [n for n in free.get(cache, []) if n.op_type == "TensorScatter"]
+        if not writes:
+            break
+        layer = _match(writes[0], spec, graph, producer, users, consts, order) if len(writes) == 1 else None
+        if layer is None or layer.value_write.input[0] != value_cache:
+            logger.debug("%s: cached attention not fused (run %d does not match)", key, len(runs))
+            return None
+        runs.append(layer)
+        cache, value_cache = layer.key_write.output[0], layer.value_write.output[0]
+    if not runs:
+        logger.debug("%s: cached attention not fused: no TensorScatter writes it", key)
+        return None
+    return runs
 
 
 def _only(users: dict[str, list[onnx.NodeProto]], name: str, op: str) -> onnx.NodeProto | None:
@@ -119,25 +158,27 @@ def _heads_input(name: str, producer: dict[str, onnx.NodeProto]) -> str | None:
     return r.input[0] if r is not None and r.op_type == "Reshape" else None
 
 
-def _match(i, scale, graph, producer, users, consts, order):  # type: ignore[no-untyped-def]
-    """Layer i's `_Layer`, or None (with the reason logged) when its nodes are not the expected chain."""
+def _match(kw, spec, graph, producer, users, consts, order):  # type: ignore[no-untyped-def]
+    """The `_Layer` around the key write `kw`, or None (reason logged) when its nodes are not the
+    expected chain: rotated keys written along the slots, read back by the grouped MatMuls."""
 
     def no(why):  # type: ignore[no-untyped-def]
-        logger.debug("layer %d: cached attention not fused: %s", i, why)
+        logger.debug("%s: cached attention not fused: %s", kw.output[0], why)
 
-    caches = _layout_free({name: users.get(name, []) for name in (f"past_key_{i}", f"past_value_{i}")})
-    kw = _only(caches, f"past_key_{i}", "TensorScatter")
-    vw = _only(caches, f"past_value_{i}", "TensorScatter")
-    if kw is None or vw is None:
-        return no("its caches are not read by one TensorScatter each")
+    num_heads, _, scale = spec
+    head_dim = _cache_dims(graph, producer, kw)[-1]
+
+    def reader(name, op):  # type: ignore[no-untyped-def]  # the one `op` reader, besides the next run's write
+        return _only({name: [n for n in users.get(name, []) if n.op_type != "TensorScatter"]}, name, op)
+
     k_t = producer.get(kw.input[1])
     rot_k = producer.get(k_t.input[0]) if _perm(k_t, _KEYS_T) else None  # type: ignore[union-attr]
     if rot_k is None or rot_k.op_type != "RotaryEmbedding" or len(rot_k.input) != 3:
         return no("the key is not Transpose(RotaryEmbedding(heads))")
-    k_flat, v_flat = _heads_input(rot_k.input[0], producer), _heads_input(vw.input[1], producer)
-    ks, vs = _only(users, kw.output[0], "Slice"), _only(users, vw.output[0], "Slice")
-    if k_flat is None or v_flat is None or ks is None or vs is None:
-        return no("the key, the value or their cache reads are not the expected shape")
+    k_flat = _heads_input(rot_k.input[0], producer)
+    ks = reader(kw.output[0], "Slice")
+    if k_flat is None or ks is None:
+        return no("the key or its cache read is not the expected shape")
     qk = _only(users, ks.output[0], "MatMul")
     q_g = producer.get(qk.input[0]) if qk is not None else None
     rot_q = producer.get(q_g.input[0]) if q_g is not None and q_g.op_type == "Reshape" else None
@@ -151,9 +192,18 @@ def _match(i, scale, graph, producer, users, consts, order):  # type: ignore[no-
     where = _only(users, mul.output[0], "Where")
     softmax = _only(users, where.output[0], "Softmax") if where is not None else None
     pv = _only(users, softmax.output[0], "MatMul") if softmax is not None else None
-    if pv is None or list(pv.input) != [softmax.output[0], vs.output[0]]:
-        return no("the scores do not go Where -> Softmax -> MatMul with the value span")
+    vs = producer.get(pv.input[1]) if pv is not None else None
+    vw = producer.get(vs.input[0]) if vs is not None and vs.op_type == "Slice" else None
+    if vw is None or vw.op_type != "TensorScatter" or list(pv.input)[0] != softmax.output[0]:
+        return no("the scores do not go Where -> Softmax -> MatMul with the written value span")
+    v_flat = _heads_input(vw.input[1], producer)
+    if v_flat is None or reader(vw.output[0], "Slice") is not vs or vw.input[2] != kw.input[2]:
+        return no("the value is not written where the key is, or is read elsewhere")
     back = _only(users, pv.output[0], "Reshape")
+    while back is not None and _only(users, back.output[0], "Reshape") is not None:
+        back = _only(users, back.output[0], "Reshape")  # a no-op view to [B, H, T, D] (a draft model's export)
+        if not _heads_view(back, producer, consts, num_heads, head_dim):
+            return no("the attention output is reshaped to something other than [B, H, T, D]")
     t = _only(users, back.output[0], "Transpose") if back is not None else None
     out = _only(users, t.output[0], "Reshape") if _perm(t, _HEADS) else None
     if out is None:
@@ -162,7 +212,7 @@ def _match(i, scale, graph, producer, users, consts, order):  # type: ignore[no-
     if inside is None:
         return no("a value inside it is read elsewhere")
     inside.sort(key=lambda n: order[id(n)])
-    return _Layer(i, q_flat, k_flat, v_flat, rot_k, kw, ks, out.output[0], inside)
+    return _Layer(q_flat, k_flat, v_flat, rot_k, kw, vw, ks, where.input[0], out.output[0], inside)
 
 
 def _between(graph, producer, users, sources: set[str], sinks: list[str]) -> list[onnx.NodeProto] | None:  # type: ignore[no-untyped-def]
@@ -193,62 +243,80 @@ def _between(graph, producer, users, sources: set[str], sinks: list[str]) -> lis
     return inside if all(producer[s] in inside for s in sinks) else None
 
 
-def _shared_inputs(q_flat: str) -> list[onnx.NodeProto]:
-    """The fused op's lengths, computed once per call: `gqa.seqlens` [B] int32 = cache_len + T - 1,
-    `gqa.total` int32 = max(cache_len) + T, and `gqa.fused` (one row, one token or an empty cache,
-    the cases ONNX Runtime's kernel takes)."""
+def _lengths(name: str, q_flat: str, write_pos: str) -> list[onnx.NodeProto]:
+    """The fused op's lengths for one run, computed once for its layers: `{name}.seqlens` [B] int32
+    = write_pos + T - 1, `{name}.total` int32 = max(write_pos) + T, and `{name}.fused` (one row,
+    one token or an empty cache: the cases ONNX Runtime's kernel takes)."""
 
-    def const(name: str, value: int) -> onnx.NodeProto:
-        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, np.int64)))
+    def const(tag: str, value: int) -> onnx.NodeProto:
+        return helper.make_node(
+            "Constant", [], [f"{name}.{tag}"], value=numpy_helper.from_array(np.asarray(value, np.int64))
+        )
+
+    def node(op: str, inputs: list[str], tag: str, **attrs: Any) -> onnx.NodeProto:
+        return helper.make_node(
+            op, [i if i in (q_flat, write_pos) else f"{name}.{i}" for i in inputs], [f"{name}.{tag}"], **attrs
+        )
 
     return [
-        const("gqa.one", 1),
-        const("gqa.zero", 0),
-        helper.make_node("Shape", [q_flat], ["gqa.b"], start=0, end=1),
-        helper.make_node("Shape", [q_flat], ["gqa.t"], start=1, end=2),
-        helper.make_node("Add", ["cache_len", "gqa.t"], ["gqa.end"]),  # [B]
-        helper.make_node("Sub", ["gqa.end", "gqa.one"], ["gqa.last"]),
-        helper.make_node("Cast", ["gqa.last"], ["gqa.seqlens"], to=onnx.TensorProto.INT32),
-        helper.make_node("ReduceMax", ["gqa.end"], ["gqa.end_max"], keepdims=0),
-        helper.make_node("Cast", ["gqa.end_max"], ["gqa.total"], to=onnx.TensorProto.INT32),
-        helper.make_node("ReduceMax", ["cache_len"], ["gqa.len_max"], keepdims=0),
-        helper.make_node("Equal", ["gqa.b", "gqa.one"], ["gqa.one_row"]),
-        helper.make_node("Equal", ["gqa.t", "gqa.one"], ["gqa.one_token"]),
-        helper.make_node("Equal", ["gqa.len_max", "gqa.zero"], ["gqa.empty"]),
-        helper.make_node("Or", ["gqa.one_row", "gqa.one_token"], ["gqa.either"]),
-        helper.make_node("Or", ["gqa.either", "gqa.empty"], ["gqa.fused"]),
+        const("one", 1),
+        const("zero", 0),
+        node("Shape", [q_flat], "b", start=0, end=1),
+        node("Shape", [q_flat], "t", start=1, end=2),
+        node("Add", [write_pos, "t"], "end"),  # [B]
+        node("Sub", ["end", "one"], "last"),
+        node("Cast", ["last"], "seqlens", to=onnx.TensorProto.INT32),
+        node("ReduceMax", ["end"], "end_max", keepdims=0),
+        node("Cast", ["end_max"], "total", to=onnx.TensorProto.INT32),
+        node("ReduceMax", [write_pos], "len_max", keepdims=0),
+        node("Equal", ["b", "one"], "one_row"),
+        node("Equal", ["t", "one"], "one_token"),
+        node("Equal", ["len_max", "zero"], "empty"),
+        node("Or", ["one_row", "one_token"], "either"),
+        node("Or", ["either", "empty"], "fused"),
     ]
 
 
-def _layer_if(layer: _Layer, num_heads: int, kv_heads: int, scale: float, elem: int) -> onnx.NodeProto:
-    i = layer.index
-    sinks = [layer.out, f"present_key_{i}", f"present_value_{i}"]
+def _layer_if(name: str, layer: _Layer, lengths: str, num_heads: int, kv_heads: int, scale: float,
+              elem: int) -> onnx.NodeProto:  # fmt: skip
+    kw, vw = layer.key_write, layer.value_write
+    sinks = [layer.out, kw.output[0], vw.output[0]]
     cos, sin = layer.rotary.input[1:]
     attrs = {a.name: helper.get_attribute_value(a) for a in layer.rotary.attribute}
     fused = [
-        helper.make_node("RotaryEmbedding", [layer.q_flat, cos, sin], [f"gqa{i}.q"], **attrs, num_heads=num_heads),
-        helper.make_node("RotaryEmbedding", [layer.k_flat, cos, sin], [f"gqa{i}.k"], **attrs, num_heads=kv_heads),
+        helper.make_node("RotaryEmbedding", [layer.q_flat, cos, sin], [f"{name}.q"], **attrs, num_heads=num_heads),
+        helper.make_node("RotaryEmbedding", [layer.k_flat, cos, sin], [f"{name}.k"], **attrs, num_heads=kv_heads),
         helper.make_node(
             "GroupQueryAttention",
-            [f"gqa{i}.q", f"gqa{i}.k", layer.v_flat, f"past_key_{i}", f"past_value_{i}", "gqa.seqlens", "gqa.total"],
+            [
+                f"{name}.q",
+                f"{name}.k",
+                layer.v_flat,
+                kw.input[0],
+                vw.input[0],
+                f"{lengths}.seqlens",
+                f"{lengths}.total",
+            ],
             [f"{s}.then" for s in sinks],
             domain="com.microsoft",
-            name=f"gqa{i}",
+            name=name,
             num_heads=num_heads,
             kv_num_heads=kv_heads,
             scale=scale,
         ),
     ]
-    then = helper.make_graph(fused, f"gqa{i}.fused", [], [_value(f"{s}.then", elem) for s in sinks])
-    otherwise = helper.make_graph(_generic(layer), f"gqa{i}.generic", [], [_value(f"{s}.else", elem) for s in sinks])
-    return helper.make_node("If", ["gqa.fused"], sinks, name=f"gqa{i}.if", then_branch=then, else_branch=otherwise)
+    then = helper.make_graph(fused, f"{name}.fused", [], [_value(f"{s}.then", elem) for s in sinks])
+    otherwise = helper.make_graph(
+        _generic(name, layer), f"{name}.generic", [], [_value(f"{s}.else", elem) for s in sinks]
+    )
+    return helper.make_node("If", [f"{lengths}.fused"], sinks, name=name, then_branch=then, else_branch=otherwise)
 
 
-def _generic(layer: _Layer) -> list[onnx.NodeProto]:
+def _generic(name: str, layer: _Layer) -> list[onnx.NodeProto]:
     """The layer's own nodes, renamed for the branch, reading and writing keys as [B, Hkv, S, D]."""
     made = {o for n in layer.inside for o in n.output}
     rename = {o: f"{o}.else" for o in made}
-    axis2 = f"gqa{layer.index}.axis2"
+    axis2 = f"{name}.axis2"
     nodes = [helper.make_node("Constant", [], [axis2], value=numpy_helper.from_array(np.asarray([2], np.int64)))]
     for n in layer.inside:
         copy = onnx.NodeProto()
@@ -269,10 +337,10 @@ def _generic(layer: _Layer) -> list[onnx.NodeProto]:
     return [n for n in nodes if rename.get(transposed) not in n.output]
 
 
-def _relayout_keys(graph: onnx.GraphProto, i: int) -> None:
-    """past_key_i / present_key_i: [B, Hkv, D, S] -> [B, Hkv, S, D]."""
+def _relayout_keys(graph: onnx.GraphProto, *names: str) -> None:
+    """These key caches (graph inputs or outputs): [B, Hkv, D, S] -> [B, Hkv, S, D]."""
     for v in [*graph.input, *graph.output]:
-        if v.name in (f"past_key_{i}", f"present_key_{i}"):
+        if v.name in names:
             dims = v.type.tensor_type.shape.dim
             d, s = onnx.TensorShapeProto.Dimension(), onnx.TensorShapeProto.Dimension()
             d.CopyFrom(dims[2])
@@ -281,8 +349,37 @@ def _relayout_keys(graph: onnx.GraphProto, i: int) -> None:
             dims[3].CopyFrom(d)
 
 
-def _elem_type(graph: onnx.GraphProto, i: int) -> int:
-    return next(v.type.tensor_type.elem_type for v in graph.input if v.name == f"past_value_{i}")
+def _cache_input(
+    graph: onnx.GraphProto, producer: dict[str, onnx.NodeProto], write: onnx.NodeProto
+) -> onnx.ValueInfoProto:
+    """The graph input a cache write's chain starts from."""
+    name = write.input[0]
+    while name in producer:
+        name = producer[name].input[0]
+    return next(v for v in graph.input if v.name == name)
+
+
+def _cache_dims(graph: onnx.GraphProto, producer: dict[str, onnx.NodeProto], write: onnx.NodeProto) -> list[int]:
+    """The static dimensions of a key cache as stored: [B, Hkv, D, S] (B symbolic: 0)."""
+    return [d.dim_value for d in _cache_input(graph, producer, write).type.tensor_type.shape.dim][:3]
+
+
+def _heads_view(node, producer, consts, num_heads: int, head_dim: int) -> bool:  # type: ignore[no-untyped-def]
+    """Whether this Reshape of a [B, H, T, D] tensor keeps it as it is: its shape is
+    Concat(b, H, t, D), or Concat(b, -1, 1, D) in a one-token run (-1 is then H)."""
+    cat = producer.get(node.input[1])
+    if cat is None or cat.op_type != "Concat" or len(cat.input) != 4:
+        return False
+    heads, tokens, dim = (consts.get(cat.input[k]) for k in (1, 2, 3))
+    if heads is None or dim is None or dim.reshape(-1).tolist() != [head_dim]:
+        return False
+    one_token = tokens is not None and tokens.reshape(-1).tolist() == [1]
+    return heads.reshape(-1).tolist() == [num_heads] or (heads.reshape(-1).tolist() == [-1] and one_token)
+
+
+def _elem_type(graph: onnx.GraphProto, producer: dict[str, onnx.NodeProto], layer: _Layer) -> int:
+    """The cache's element type: that of the graph input its chain starts from."""
+    return _cache_input(graph, producer, layer.value_write).type.tensor_type.elem_type
 
 
 def _value(name: str, elem: int) -> onnx.ValueInfoProto:

@@ -96,7 +96,10 @@ def export_onnx(
     program.save(str(path), external_data=True)
     matmul_to_gemm(path, drafter=getattr(engine, "drafter_weights", None))
     fuse_rotary(path)
-    if heads and isinstance(engine, StepEngine) and engine.sliding_window is None:  # the causal chain mask
-        fuse_cached_attention(path, heads)
+    if heads and isinstance(engine, StepEngine):  # chains: each run's mask is causal from its write position
+        caches = {"past_key_": heads} if engine.sliding_window is None else {}
+        if getattr(engine, "draft_heads", None) and getattr(engine, "draft_window", None) is None:
+            caches["draft_past_key_"] = engine.draft_heads  # a draft model's (DraftStepEngine)
+        fuse_cached_attention(path, caches)
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)

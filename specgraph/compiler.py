@@ -184,8 +184,9 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
         say("export onnx")
         heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if cfg.attention == "fused" else None
         model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads)
-        fused = _fused_layers(model_proto)
-        counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused}
+        fused = _fused_layers(model_proto, "past_key_")
+        counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused,
+                                           "fused_draft_runs": _fused_layers(model_proto, "draft_past_key_")}  # fmt: skip
         times["export"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
@@ -249,12 +250,14 @@ def _graph_section(model_proto: Any, engine: Any, inputs: list[str], outputs: li
         # bind output[:, :1 + max(count)] only: columns past every row's count are padding
         "trims": dict(engine.trims),
         "extra_slots": int(engine.extra_slots),  # cache slots a call writes beyond its tokens
-        "fused_attention": _fused_layers(model_proto),  # layers run by GroupQueryAttention (exporters/gqa.py)
+        "fused_attention": _fused_layers(model_proto),  # attention nodes run by GroupQueryAttention (exporters/gqa.py)
     }
 
 
-def _fused_layers(model_proto: Any) -> int:
-    return sum(n.op_type == "If" and n.name.startswith("gqa") for n in model_proto.graph.node)
+def _fused_layers(model_proto: Any, cache: str = "") -> int:
+    """How many cached attentions of the caches named `cache`* are fused (`exporters/gqa.py`
+    names each `gqa.<key cache>.<run>`): every run of every layer, for a drafter unrolled K times."""
+    return sum(n.op_type == "If" and n.name.startswith(f"gqa.{cache}") for n in model_proto.graph.node)
 
 
 def _constant(value: np.ndarray) -> dict[str, Any]:

@@ -65,3 +65,24 @@ def test_a_batched_verify_equals_each_row_verified_alone(tiny_bundle):
     batched = _logits(engine, drafts, [len(p) for p in prompts], state)  # generic branch
     for got, want in zip(batched, alone, strict=True):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_a_draft_model_s_runs_are_fused_too_and_stay_exact(tiny_folder, tiny_bundle, tmp_path):
+    """The draft model's cache is written by each of its K runs in turn (the catch-up, then one
+    token a run): every run is fused, and the output is still the target's own."""
+    from specgraph.compiler import CompileConfig, compile_model
+
+    out = tmp_path / "draft"
+    report = compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, draft="self:int8",
+                                            num_draft=3))  # fmt: skip
+    layers = build("llama").config.num_hidden_layers
+    assert report.pass_counts["fuse_cached_attention"] == {
+        "fused_layers": layers, "generic_layers": 0, "fused_draft_runs": 3 * layers}  # fmt: skip
+    assert _ops(out)["GroupQueryAttention"] == 4 * layers
+    engine, plain = Engine(out), Engine(tiny_bundle("llama", "none"))
+    for prompt in ([5, 6, 7, 8, 5, 6, 7, 9, 5, 6], list(range(30, 70))):
+        want = plain.generate(prompt, max_new_tokens=40, stop_at_eos=False).output_ids
+        assert engine.generate(prompt, max_new_tokens=40, stop_at_eos=False).output_ids == want
+    rows = [[5, 6, 7, 8, 5, 6, 7, 9], [17, 3, 99]]  # a batch: its verify and catch-up take the generic branch
+    for row, got in zip(rows, engine.generate_batch(rows, max_new_tokens=24, stop_at_eos=False), strict=True):
+        assert got.output_ids == plain.generate(row, max_new_tokens=24, stop_at_eos=False).output_ids

@@ -35,7 +35,7 @@ rows are all greedy computes no q and no p~ (the operators' ONNX forms skip them
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -95,6 +95,7 @@ class Drafter:
     name: str
     vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary: its ids, its report
     trained: dict[str, Any] | None = None  # what a trained drafter's file says of it (early-exit's adapter)
+    heads: list[tuple[int, int, float]] = field(default_factory=list)  # (num_heads, kv_heads, scale) a layer
 
 
 class ModelDrafts(StepEngine):
@@ -197,6 +198,7 @@ class DraftStepEngine(ModelDrafts):
         super().__init__(*args, cache_shapes=drafter.kv_shapes, vocab=drafter.vocab, **kwargs)
         self.draft_gm = drafter.gm  # registered as a submodule: its weights are draft_gm.*
         self.draft_window = drafter.window
+        self.draft_heads = drafter.heads  # lets the export fuse the draft's cached attention too
 
     def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
         b, t = tokens.shape
@@ -297,7 +299,8 @@ def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, d
                                model_fingerprint(loaded), anatomy.vocab_size, loaded.name)  # fmt: skip
     if vocab is not None:
         _reduce_readout(gm, draft_anatomy.lm_head, vocab[0])
-    return Drafter(gm, draft_anatomy.num_layers, shapes, windows.pop() if windows else None, name, vocab)
+    heads = [(site.num_heads, site.num_kv_heads, site.scale) for site in draft_anatomy.sites]
+    return Drafter(gm, draft_anatomy.num_layers, shapes, windows.pop() if windows else None, name, vocab, heads=heads)
 
 
 def build_draft_engine(gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Drafter, window: int | None) -> Built:
