@@ -98,8 +98,9 @@ def export_onnx(
     fuse_rotary(path)
     if heads and isinstance(engine, StepEngine):  # chains: each run's mask is causal from its write position
         caches = {"past_key_": heads} if engine.sliding_window is None else {}
-        if getattr(engine, "draft_heads", None) and getattr(engine, "draft_window", None) is None:
-            caches["draft_past_key_"] = engine.draft_heads  # a draft model's (DraftStepEngine)
+        draft_heads: list[tuple[int, int, float]] = getattr(engine, "draft_heads", [])  # a DraftStepEngine's
+        if draft_heads and getattr(engine, "draft_window", None) is None:
+            caches["draft_past_key_"] = draft_heads
         fuse_cached_attention(path, caches)
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)
