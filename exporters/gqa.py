@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from specgraph.exporters.rotary import _constants
+from specgraph.exporters.rotary import graph_index
 
 logger = logging.getLogger("specgraph.exporters")
 _HEADS = [0, 2, 1, 3]  # [B, T, H, D] <-> [B, H, T, D]
@@ -60,12 +60,7 @@ def fuse_cached_attention(path: Path, heads: dict[str, list[tuple[int, int, floa
     Return {prefix: attention nodes fused}."""
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    users: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
-    consts = _constants(graph)
+    producer, users, consts = graph_index(graph)
     order = {id(n): k for k, n in enumerate(graph.node)}
     plans: list[tuple[str, _Layer, tuple[int, int, float]]] = []
     counts: dict[str, int] = {}

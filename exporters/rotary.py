@@ -25,12 +25,7 @@ def fuse_rotary(path: Path) -> int:
     """Rewrite `path` in place (weights untouched); return how many rotations became one node."""
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    users: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
-    consts = _constants(graph)
+    producer, users, consts = graph_index(graph)
     replace: dict[str, list[onnx.NodeProto]] = {}  # Add node name -> nodes that replace it
     drop: set[str] = set()
     halves: dict[str, str] = {}
@@ -62,6 +57,19 @@ def fuse_rotary(path: Path) -> int:
     onnx.save_model(model, str(path))
     logger.debug("fused %d rotary embeddings", len(replace))
     return len(replace)
+
+
+def graph_index(
+    graph: onnx.GraphProto,
+) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]], dict[str, np.ndarray]]:
+    """Each value's producer, each value's readers, and the small constants (initializers and
+    `Constant` nodes) by name: what a pattern rewrite of `graph` looks things up in."""
+    producer = {o: n for n in graph.node for o in n.output}
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    return producer, users, _constants(graph)
 
 
 def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
