@@ -1,4 +1,5 @@
-"""Run each target layer's cached attention as one ONNX Runtime `GroupQueryAttention` node.
+"""Run each layer's cached attention (the target's, a draft model's) as one ONNX Runtime
+`GroupQueryAttention` node.
 
 A chain engine's attention around the cache exports as about 23 nodes a layer: head reshapes
 and transposes, two rotary nodes, two `TensorScatter` writes, the span slices, two grouped
@@ -6,8 +7,10 @@ MatMuls, the scale, the mask and the softmax. With quantised weights a step is b
 Runtime's per-node dispatch (docs/benchmarks.md, issue 9), so this rewrite replaces them with
 two 3-D `RotaryEmbedding` nodes (same rotation, [B, T, H*D] in and out) and one
 `com.microsoft.GroupQueryAttention`, which writes the new keys and values into the cache at each
-row's `cache_len` (in place when the host binds `present_*` onto `past_*`, as it does) and
-attends causally over slots [0, cache_len + i], exactly the chain mask `step.chain_masks` builds.
+row's write position (`cache_len` for the target; in place when the host binds `present_*` onto
+`past_*`, as it does) and attends causally over slots [0, position + i], exactly the chain mask
+`step.chain_masks` builds. A draft model's cache is written by each of its unrolled runs in turn;
+each run is fused, reading the cache the run before wrote.
 
 ONNX Runtime's kernel refuses one case: more than one row, more than one token and a non-empty
 cache (a batched verify). Each layer is therefore an `If`: the `then` branch is the fused node,
@@ -15,8 +18,8 @@ the `else` branch the original nodes, so every call gets the same function. The 
 changes layout for both: `[B, Hkv, S, D]` like the values (the fused op's), where the generic
 path stored keys transposed; the `else` branch transposes the attended span instead.
 
-Only for engines whose target attention is the plain causal chain (no tree mask, no sliding
-window): `export_onnx` decides. A layer whose nodes do not have the expected shape is left as it
+Only for chain engines (no tree mask) and caches without a sliding window: `export_onnx`
+decides. A layer whose nodes do not have the expected shape is left as it
 is and counted as unmatched.
 """
 
@@ -64,11 +67,12 @@ def fuse_cached_attention(path: Path, heads: dict[str, list[tuple[int, int, floa
     order = {id(n): k for k, n in enumerate(graph.node)}
     plans: list[tuple[str, _Layer, tuple[int, int, float]]] = []
     counts: dict[str, int] = {}
+    free = _layout_free(users)
     for prefix, per_layer in heads.items():
         counts[prefix] = 0
         for i, spec in enumerate(per_layer):
             runs = _cache_runs(f"{prefix}{i}", f"{prefix.replace('key', 'value')}{i}", spec, graph, producer,
-                               users, consts, order)  # fmt: skip
+                               users, free, consts, order)  # fmt: skip
             if runs is None:
                 continue
             _relayout_keys(graph, f"{prefix}{i}", runs[-1].key_write.output[0])
@@ -103,10 +107,10 @@ def fuse_cached_attention(path: Path, heads: dict[str, list[tuple[int, int, floa
     return counts
 
 
-def _cache_runs(key, value, spec, graph, producer, users, consts, order):  # type: ignore[no-untyped-def]
+def _cache_runs(key, value, spec, graph, producer, users, free, consts, order):  # type: ignore[no-untyped-def]
     """The `_Layer` of every run that writes the caches `key` / `value` (graph inputs), in order,
-    or None (reason logged) unless every run matches and the value writes follow the same chain."""
-    free = _layout_free(users)
+    or None (reason logged) unless every run matches and the value writes follow the same chain.
+    `free`: `users` less the readers the key layout does not concern (`_layout_free`)."""
     runs: list[_Layer] = []
     cache, value_cache = key, value
     while True:

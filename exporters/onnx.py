@@ -66,8 +66,8 @@ def export_onnx(
     engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path, heads: list[tuple[int, int, float]] | None = None
 ) -> onnx.ModelProto:
     """Trace `engine` and write `path` plus `path.name + '.data'` (the weights). `heads` (num_heads,
-    kv_num_heads, scale per target layer) lets a chain engine without sliding windows run each
-    layer's cached attention as one fused node (`exporters/gqa.py`)."""
+    kv_num_heads, scale per target layer) lets a chain engine run each layer's cached attention,
+    its draft model's too, as one fused node where no sliding window applies (`exporters/gqa.py`)."""
     inputs, outputs = engine.io_names()
     args = engine.example_inputs(kv_shapes)
     dyn = engine.dynamic_shapes(args)
