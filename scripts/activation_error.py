@@ -41,7 +41,7 @@ def _variant(src: Path, dst: Path, model: str, activations: str) -> Engine:
 def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
     feeds = {"tokens": np.asarray([ids], np.int64), "n_fixed": np.asarray([len(ids)], np.int64),
              "cache_len": np.zeros(1, np.int64)}  # fmt: skip
-    return engine.call(engine.session.io_binding(), feeds, engine.new_state(1))["logits"].numpy()[0]
+    return engine.call(engine.session.io_binding(), feeds, engine.new_state(1))["logits"].numpy()[0].copy()
 
 
 def _nll(logits: np.ndarray, ids: list[int]) -> tuple[float, int]:

@@ -386,7 +386,8 @@ def run_bench(
     _warm_up(engine, ref, runnable[0][1], params)
     rss_engines = _peak_rss_mb()  # before llama.cpp, the HF model or the bandwidth matrix
     yardsticks = baseline and engine.draft_depth == 0  # plain decoding: compare it with the other tools
-    peer, peer_head = _llama_cpp_peer(engine, runnable, max_new_tokens, threads) if yardsticks else (None, {})
+    # llama.cpp, the tool a user would otherwise pick, runs beside every bundle (speculative ones too)
+    peer, peer_head = _llama_cpp_peer(engine, runnable, max_new_tokens, threads) if baseline else (None, {})
     runs, ref_runs, peer_runs, wall_s = _generate_all(
         engine, ref, peer, runnable, max_new_tokens, stop_at_eos, progress, params
     )
@@ -416,7 +417,8 @@ def run_bench(
     }
     if yardsticks:
         result["baseline"] = _baseline(engine, runnable, runs, max_new_tokens, threads, progress, params)
-        result["baseline"].update(_llama_cpp_section(peer_head, runs, peer_runs, params))
+    if yardsticks or (baseline and "note" not in peer_head):  # a speculative bundle: only where llama.cpp ran or failed
+        result.setdefault("baseline", {}).update(_llama_cpp_section(peer_head, runs, peer_runs, params))
     if ref is not None:
         result["reference"] = _compare(ref, runnable, runs, ref_runs, result["per_prompt"])
     # the whole run's peak, and the peak with only our engines loaded and warmed up
@@ -752,6 +754,8 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def _format_baseline(base: dict[str, Any]) -> list[str]:
+    if "hf" not in base:  # a speculative bundle: llama.cpp only (HF and c(N) are the `none` bundle's)
+        return [_format_llama_cpp(base["llama_cpp"], base.get("engine_vs_llama_cpp"))]
     hf = base["hf"]
     if "error" in hf:
         hf_line = f"HF generate: {hf['error']}"

@@ -65,7 +65,9 @@ class CompileConfig:
     weights: str = "source"  # source | fp32 | int8 | int4 (see specgraph/weights.py)
     activations: str = "fp32"  # fp32 (exact against the weights) | int8 (MatMulNBits accuracy level 4)
     block_size: int = 32  # int8 / int4: weights per quantisation block
-    attention: str = "fused"  # fused (ONNX Runtime's GroupQueryAttention where it fits) | portable (standard ONNX only)
+    # fused (ONNX Runtime's GroupQueryAttention where it fits) | portable (standard ONNX only) | auto
+    # (fused, except portable for a speculative engine with int8 activations: see `attention_mode`)
+    attention: str = "auto"
     force: bool = False  # replace an existing output specgraph did not make (see specgraph/outputs.py)
     options: Options | None = None  # the method's settings; None = its defaults
 
@@ -88,6 +90,17 @@ class CompileConfig:
         return self.options if self.options is not None else self.spec.options_type()
 
     @property
+    def attention_mode(self) -> str:
+        """fused or portable. Speculation with int8 activations is lossless only where a call of
+        several tokens rounds every row bit for bit as one-token calls do: one flipped int8
+        rounding is another model. The portable graph does (`_check_rows_agree`); ONNX Runtime's
+        GroupQueryAttention does not (its many-token path differs in the last float bits, which
+        int8 rounding amplifies to 4e-2 relative in the logits on SmolLM2)."""
+        if self.attention != "auto":
+            return self.attention
+        return "portable" if self.activations == "int8" and self.spec.speculative else "fused"
+
+    @property
     def engine_samples(self) -> bool:
         """Whether the engine takes sampling inputs (a method's lossy rule is greedy-only)."""
         return self.sampling and self.opts.samples
@@ -97,12 +110,16 @@ class CompileConfig:
         if not isinstance(self.opts, method.options_type):
             raise InputError(f"--method {self.method} takes {method.options_type.__name__}, "
                              f"got {type(self.opts).__name__}")  # fmt: skip
-        if self.attention not in ("fused", "portable"):
-            raise InputError(f"--attention must be fused or portable, got {self.attention!r}")
+        if self.attention not in ("auto", "fused", "portable"):
+            raise InputError(f"--attention must be auto, fused or portable, got {self.attention!r}")
+        if self.attention == "fused" and self.activations == "int8" and method.speculative:
+            raise InputError(f"--method {self.method} with --activations int8 needs --attention portable (the default "
+                             "there): fused attention rounds a several-token call differently from one-token calls, "
+                             "and int8 activations turn that into different text")  # fmt: skip
         if not 16 <= self.max_context <= 131072:
             raise InputError(f"--max-context must be between 16 and 131072, got {self.max_context}")
         self.opts.check()
-        check_weights(self.weights, self.activations, self.block_size, self.method, method.speculative)
+        check_weights(self.weights, self.activations, self.block_size)
 
     @property
     def inputs(self) -> list[str | Path | None]:
@@ -182,7 +199,8 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
     try:
         t0 = time.perf_counter()
         say("export onnx")
-        heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if cfg.attention == "fused" else None
+        fuse = cfg.attention_mode == "fused"
+        heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if fuse else None
         model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads)
         fused = _fused_layers(model_proto, "past_key_")
         counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused,
@@ -221,6 +239,10 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
         t0 = time.perf_counter()
         finished = cfg.spec.finish(staging, cfg, built, measure)
         write(finished)
+        if cfg.activations == "int8" and cfg.spec.speculative:
+            say("check rows")
+            weights["rows_agree"] = _check_rows_agree(staging, cfg.method)
+            write(finished)
         if time.perf_counter() - t0 > 0.5:
             times["method"] = time.perf_counter() - t0
         replace_dir(staging, out, cfg.inputs, cfg.force)
@@ -229,6 +251,39 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
             shutil.rmtree(staging, ignore_errors=True)
     seconds = {k: round(v, 2) for k, v in times.items()}
     return CompileReport(Path(cfg.output), cfg.method, anatomy.summary(), counts, seconds, finished.report, weights)
+
+
+def _check_rows_agree(staging: Path, method: str) -> dict[str, Any]:
+    """Refuse (InputError) an int8-activation speculative engine whose verify calls do not
+    compute, bit for bit, what one-token calls compute on this machine: int8 rounding turns any
+    last-bit difference into another model, and speculation would change the text. The check:
+    a 4-token call after a 12-token prefill must leave the target's KV cache exactly as four
+    1-token calls leave it (every layer's keys and values, so every layer's input), and a second
+    run must repeat the first. Returns the manifest's record; it holds for this machine's
+    ONNX Runtime kernels, and `specgraph bench` checks the text against `none` wherever it runs."""
+    import platform
+
+    import onnxruntime as ort
+
+    from specgraph.runtime import Engine
+
+    engine = Engine(staging, verify=False)
+    ids = np.random.default_rng(0).integers(0, int(engine.manifest["vocab_size"]), (1, 16), dtype=np.int64)
+
+    def caches(chunks: list[int]) -> dict[str, np.ndarray]:
+        state, io, at = engine.new_state(1), engine.session.io_binding(), 0
+        for n in chunks:
+            engine.call(io, engine.first_feeds(ids[:, at : at + n], n, at), state)
+            at += n
+        # copies: an OrtValue's numpy() shares its memory, which the next state may reuse
+        return {k: v.numpy().copy() for k, v in state.items() if k.startswith("past_")}
+
+    together, apart, again = caches([12, 4]), caches([12, 1, 1, 1, 1]), caches([12, 4])
+    if any(not (np.array_equal(together[k], apart[k]) and np.array_equal(together[k], again[k])) for k in together):
+        raise InputError(f"--method {method} with --activations int8: on this machine ONNX Runtime computes a "
+                         "several-token call differently from one-token calls, so speculation would change the text; "
+                         "use --activations fp32 or --method none")  # fmt: skip
+    return {"checked": True, "tokens": 4, "onnxruntime": ort.__version__, "machine": platform.machine()}
 
 
 def _graph_section(model_proto: Any, engine: Any, inputs: list[str], outputs: list[str],
