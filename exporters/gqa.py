@@ -18,6 +18,10 @@ the `else` branch the original nodes, so every call gets the same function. The 
 changes layout for both: `[B, Hkv, S, D]` like the values (the fused op's), where the generic
 path stored keys transposed; the `else` branch transposes the attended span instead.
 
+With int8 activations the target's one-token calls run through the fused node as two tokens
+(`pad`): its kernel rounds a one-token query differently from a many-token call's, and int8
+rounding would turn that into text a verify call cannot reproduce (`_lengths` says more).
+
 Only for chain engines (no tree mask) and caches without a sliding window: `export_onnx`
 decides. A layer whose nodes do not have the expected shape is left as it
 is and counted as unmatched.
@@ -55,17 +59,20 @@ class _Layer:
     inside: list[onnx.NodeProto]  # every node from the flats to `out` and the cache writes
 
 
-def fuse_cached_attention(path: Path, heads: dict[str, list[tuple[int, int, float]]]) -> dict[str, int]:
+def fuse_cached_attention(path: Path, heads: dict[str, list[tuple[int, int, float]]],
+                          pad: frozenset[str] = frozenset()) -> dict[str, int]:  # fmt: skip
     """Rewrite `path` in place. `heads` maps a key-cache input prefix (`past_key_`, a drafter's
     `draft_past_key_`) to (num_heads, kv_num_heads, scale) for each layer i of that model; the
     cache `{prefix}{i}` may be written by several runs (a drafter's unrolled steps), each reading
     the previous run's output. A cache is fused in every run or in none, since its layout changes.
-    Return {prefix: attention nodes fused}."""
+    The caches whose prefix is in `pad` run a one-token call as two tokens (see `_lengths`): the
+    kernel then rounds a step's row bit for bit as it rounds that row in a many-token call, and
+    writes one slot past the call (the engine's `extra_slots`). Return {prefix: attention nodes fused}."""
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     producer, users, consts = graph_index(graph)
     order = {id(n): k for k, n in enumerate(graph.node)}
-    plans: list[tuple[str, _Layer, tuple[int, int, float]]] = []
+    plans: list[tuple[str, _Layer, tuple[int, int, float], bool]] = []
     counts: dict[str, int] = {}
     free = _layout_free(users)
     for prefix, per_layer in heads.items():
@@ -76,22 +83,22 @@ def fuse_cached_attention(path: Path, heads: dict[str, list[tuple[int, int, floa
             if runs is None:
                 continue
             _relayout_keys(graph, f"{prefix}{i}", runs[-1].key_write.output[0])
-            plans += [(f"gqa.{prefix}{i}.{r}", layer, spec) for r, layer in enumerate(runs)]
+            plans += [(f"gqa.{prefix}{i}.{r}", layer, spec, prefix in pad) for r, layer in enumerate(runs)]
             counts[prefix] += len(runs)
     if not plans:
         return counts
     groups: dict[tuple[str, str], str] = {}  # (mask, write position) -> the lengths' name prefix
     replace: dict[int, list[onnx.NodeProto]] = {}
     drop: set[int] = set()
-    for name, layer, spec in sorted(plans, key=lambda p: order[id(p[1].inside[-1])]):
+    for name, layer, spec, padded in sorted(plans, key=lambda p: order[id(p[1].inside[-1])]):
         key = (layer.mask, layer.key_write.input[2])
         first = key not in groups
         lengths = groups.setdefault(key, f"gqa.run{len(groups)}")
-        node = _layer_if(name, layer, lengths, *spec, _elem_type(graph, producer, layer))
-        shared = _lengths(lengths, layer.q_flat, layer.key_write.input[2]) if first else []
+        node = _layer_if(name, layer, lengths, *spec, _elem_type(graph, producer, layer), padded)
+        shared = _lengths(lengths, layer.q_flat, layer.key_write.input[2], padded) if first else []
         replace[id(layer.inside[-1])] = [*shared, node]
         drop.update(id(x) for x in layer.inside)
-    moved = {o for _, layer, _ in plans for x in layer.inside for o in x.output}
+    moved = {o for _, layer, _, _ in plans for x in layer.inside for o in x.output}
     nodes: list[onnx.NodeProto] = []
     for x in graph.node:
         nodes += replace.get(id(x), [] if id(x) in drop else [x])
@@ -242,12 +249,16 @@ def _between(graph, producer, users, sources: set[str], sinks: list[str]) -> lis
     return inside if all(producer[s] in inside for s in sinks) else None
 
 
-def _lengths(name: str, q_flat: str, write_pos: str) -> list[onnx.NodeProto]:
+def _lengths(name: str, q_flat: str, write_pos: str, pad: bool = False) -> list[onnx.NodeProto]:
     """The fused op's lengths for one run, computed once for its layers: `{name}.seqlens` [B] int32
     = write_pos + T - 1, `{name}.total` int32 = max(write_pos) + T, and `{name}.fused` (one row,
-    one token or an empty cache: the cases ONNX Runtime's kernel takes)."""
+    one token or an empty cache: the cases ONNX Runtime's kernel takes). With `pad`, a one-token
+    call runs as two (`{name}.pads` pads the second, `{name}.t_in` is the call's own T): ONNX
+    Runtime's kernel rounds a one-token query differently from any query of a many-token call
+    (its products take another path; rows of 2, 3 or 4 tokens agree bit for bit), which int8
+    activations would turn into text that speculation cannot reproduce."""
 
-    def const(tag: str, value: int) -> onnx.NodeProto:
+    def const(tag: str, value: Any) -> onnx.NodeProto:
         return helper.make_node(
             "Constant", [], [f"{name}.{tag}"], value=numpy_helper.from_array(np.asarray(value, np.int64))
         )
@@ -257,11 +268,22 @@ def _lengths(name: str, q_flat: str, write_pos: str) -> list[onnx.NodeProto]:
             op, [i if i in (q_flat, write_pos) else f"{name}.{i}" for i in inputs], [f"{name}.{tag}"], **attrs
         )
 
+    counted = [node("Shape", [q_flat], "t", start=1, end=2)]
+    if pad:  # t = T + (T == 1); pads = [0, 0, 0, 0, T == 1, 0] for a [B, T, X] input
+        counted = [
+            node("Shape", [q_flat], "t_in", start=1, end=2),
+            node("Equal", ["t_in", "one"], "single"),
+            node("Cast", ["single"], "extra", to=onnx.TensorProto.INT64),
+            node("Add", ["t_in", "extra"], "t"),
+            const("pads_head", [0, 0, 0, 0]),
+            const("pads_tail", [0]),
+            node("Concat", ["pads_head", "extra", "pads_tail"], "pads", axis=0),
+        ]
     return [
         const("one", 1),
         const("zero", 0),
         node("Shape", [q_flat], "b", start=0, end=1),
-        node("Shape", [q_flat], "t", start=1, end=2),
+        *counted,
         node("Add", [write_pos, "t"], "end"),  # [B]
         node("Sub", ["end", "one"], "last"),
         node("Cast", ["last"], "seqlens", to=onnx.TensorProto.INT32),
@@ -277,33 +299,42 @@ def _lengths(name: str, q_flat: str, write_pos: str) -> list[onnx.NodeProto]:
 
 
 def _layer_if(name: str, layer: _Layer, lengths: str, num_heads: int, kv_heads: int, scale: float,
-              elem: int) -> onnx.NodeProto:  # fmt: skip
+              elem: int, pad: bool = False) -> onnx.NodeProto:  # fmt: skip
+    """The layer as an `If` on `{lengths}.fused`: ONNX Runtime's fused node, or the layer's own
+    nodes. With `pad` the fused branch pads the query, key and value to `{lengths}.t` tokens and
+    keeps the first `{lengths}.t_in` rows of the output (see `_lengths`)."""
     kw, vw = layer.key_write, layer.value_write
     sinks = [layer.out, kw.output[0], vw.output[0]]
     cos, sin = layer.rotary.input[1:]
     attrs = {a.name: helper.get_attribute_value(a) for a in layer.rotary.attribute}
+    q, k, v, out = f"{name}.q", f"{name}.k", layer.v_flat, f"{sinks[0]}.then"
     fused = [
-        helper.make_node("RotaryEmbedding", [layer.q_flat, cos, sin], [f"{name}.q"], **attrs, num_heads=num_heads),
-        helper.make_node("RotaryEmbedding", [layer.k_flat, cos, sin], [f"{name}.k"], **attrs, num_heads=kv_heads),
+        helper.make_node("RotaryEmbedding", [layer.q_flat, cos, sin], [q], **attrs, num_heads=num_heads),
+        helper.make_node("RotaryEmbedding", [layer.k_flat, cos, sin], [k], **attrs, num_heads=kv_heads),
+    ]
+    if pad:
+        fused += [helper.make_node("Pad", [x, f"{lengths}.pads"], [f"{name}.{tag}_pad"])
+                  for x, tag in ((q, "q"), (k, "k"), (v, "v"))]  # fmt: skip
+        q, k, v, out = f"{name}.q_pad", f"{name}.k_pad", f"{name}.v_pad", f"{name}.out_pad"
+    fused.append(
         helper.make_node(
             "GroupQueryAttention",
-            [
-                f"{name}.q",
-                f"{name}.k",
-                layer.v_flat,
-                kw.input[0],
-                vw.input[0],
-                f"{lengths}.seqlens",
-                f"{lengths}.total",
-            ],
-            [f"{s}.then" for s in sinks],
+            [q, k, v, kw.input[0], vw.input[0], f"{lengths}.seqlens", f"{lengths}.total"],
+            [out, *(f"{s}.then" for s in sinks[1:])],
             domain="com.microsoft",
             name=name,
             num_heads=num_heads,
             kv_num_heads=kv_heads,
             scale=scale,
-        ),
-    ]
+        )
+    )
+    if pad:
+        zero, one = f"{lengths}.zero_1d", f"{lengths}.one_1d"
+        fused += [
+            helper.make_node("Constant", [], [zero], value=numpy_helper.from_array(np.asarray([0], np.int64))),
+            helper.make_node("Constant", [], [one], value=numpy_helper.from_array(np.asarray([1], np.int64))),
+            helper.make_node("Slice", [out, zero, f"{lengths}.t_in", one], [f"{sinks[0]}.then"]),
+        ]
     then = helper.make_graph(fused, f"{name}.fused", [], [_value(f"{s}.then", elem) for s in sinks])
     otherwise = helper.make_graph(
         _generic(name, layer), f"{name}.generic", [], [_value(f"{s}.else", elem) for s in sinks]

@@ -63,11 +63,17 @@ def _optimize_without_rewrites(model: Any) -> None:
 
 
 def export_onnx(
-    engine: Engine, kv_shapes: list[tuple[int, ...]], path: Path, heads: list[tuple[int, int, float]] | None = None
+    engine: Engine,
+    kv_shapes: list[tuple[int, ...]],
+    path: Path,
+    heads: list[tuple[int, int, float]] | None = None,
+    pad_steps: bool = False,
 ) -> onnx.ModelProto:
     """Trace `engine` and write `path` plus `path.name + '.data'` (the weights). `heads` (num_heads,
     kv_num_heads, scale per target layer) lets a chain engine run each layer's cached attention,
-    its draft model's too, as one fused node where no sliding window applies (`exporters/gqa.py`)."""
+    its draft model's too, as one fused node where no sliding window applies (`exporters/gqa.py`);
+    `pad_steps` runs the target's one-token calls through it as two tokens, so that a step rounds
+    as a verify call does (for int8 activations; the engine then writes one slot past a step)."""
     inputs, outputs = engine.io_names()
     args = engine.example_inputs(kv_shapes)
     dyn = engine.dynamic_shapes(args)
@@ -101,6 +107,6 @@ def export_onnx(
         draft_heads: list[tuple[int, int, float]] = getattr(engine, "draft_heads", [])  # a DraftStepEngine's
         if draft_heads and getattr(engine, "draft_window", None) is None:
             caches["draft_past_key_"] = draft_heads
-        fuse_cached_attention(path, caches)
+        fuse_cached_attention(path, caches, pad=frozenset({"past_key_"} if pad_steps else ()))
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)

@@ -151,13 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--attention",
-        default="auto",
-        choices=["auto", "fused", "portable"],
-        help="fused: each layer's attention around the KV cache is one ONNX Runtime "
+        default="fused",
+        choices=["fused", "portable"],
+        help="fused (default): each layer's attention around the KV cache is one ONNX Runtime "
         "GroupQueryAttention node (com.microsoft) where the engine allows it (chain engines without sliding "
         "windows): fewer nodes, faster steps. portable: standard ONNX operators only, for other runtimes "
-        "(TensorRT). auto (default): fused, except portable for speculation with --activations int8, which "
-        "needs a several-token call to round exactly as one-token calls do",
+        "(TensorRT)",
     )
     c.add_argument("--emit-logits", action="store_true", help="also output logits (for testing; slower)")
     c.add_argument("--json", action="store_true", help="print the compile report as JSON")

@@ -65,9 +65,7 @@ class CompileConfig:
     weights: str = "source"  # source | fp32 | int8 | int4 (see specgraph/weights.py)
     activations: str = "fp32"  # fp32 (exact against the weights) | int8 (MatMulNBits accuracy level 4)
     block_size: int = 32  # int8 / int4: weights per quantisation block
-    # fused (ONNX Runtime's GroupQueryAttention where it fits) | portable (standard ONNX only) | auto
-    # (fused, except portable for a speculative engine with int8 activations: see `attention_mode`)
-    attention: str = "auto"
+    attention: str = "fused"  # fused (ONNX Runtime's GroupQueryAttention where it fits) | portable (standard ONNX only)
     force: bool = False  # replace an existing output specgraph did not make (see specgraph/outputs.py)
     options: Options | None = None  # the method's settings; None = its defaults
 
@@ -90,17 +88,6 @@ class CompileConfig:
         return self.options if self.options is not None else self.spec.options_type()
 
     @property
-    def attention_mode(self) -> str:
-        """fused or portable. Speculation with int8 activations is lossless only where a call of
-        several tokens rounds every row bit for bit as one-token calls do: one flipped int8
-        rounding is another model. The portable graph does (`_check_rows_agree`); ONNX Runtime's
-        GroupQueryAttention does not (its many-token path differs in the last float bits, which
-        int8 rounding amplifies to 4e-2 relative in the logits on SmolLM2)."""
-        if self.attention != "auto":
-            return self.attention
-        return "portable" if self.activations == "int8" and self.spec.speculative else "fused"
-
-    @property
     def engine_samples(self) -> bool:
         """Whether the engine takes sampling inputs (a method's lossy rule is greedy-only)."""
         return self.sampling and self.opts.samples
@@ -110,12 +97,8 @@ class CompileConfig:
         if not isinstance(self.opts, method.options_type):
             raise InputError(f"--method {self.method} takes {method.options_type.__name__}, "
                              f"got {type(self.opts).__name__}")  # fmt: skip
-        if self.attention not in ("auto", "fused", "portable"):
-            raise InputError(f"--attention must be auto, fused or portable, got {self.attention!r}")
-        if self.attention == "fused" and self.activations == "int8" and method.speculative:
-            raise InputError(f"--method {self.method} with --activations int8 needs --attention portable (the default "
-                             "there): fused attention rounds a several-token call differently from one-token calls, "
-                             "and int8 activations turn that into different text")  # fmt: skip
+        if self.attention not in ("fused", "portable"):
+            raise InputError(f"--attention must be fused or portable, got {self.attention!r}")
         if not 16 <= self.max_context <= 131072:
             raise InputError(f"--max-context must be between 16 and 131072, got {self.max_context}")
         self.opts.check()
@@ -199,9 +182,11 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
     try:
         t0 = time.perf_counter()
         say("export onnx")
-        fuse = cfg.attention_mode == "fused"
+        fuse = cfg.attention == "fused"
         heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if fuse else None
-        model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads)
+        # int8 activations: a step must round as a verify call does (`fuse_cached_attention`'s pad)
+        pad_steps = fuse and cfg.activations == "int8"
+        model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads, pad_steps)
         fused = _fused_layers(model_proto, "past_key_")
         counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused,
                                            "fused_draft_runs": _fused_layers(model_proto, "draft_past_key_")}  # fmt: skip
@@ -227,7 +212,8 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
 
         def write(finished: Finished) -> dict[str, Any]:
             body.update({cfg.method: finished.section, "draft_depth": finished.draft_depth,
-                         "graph": _graph_section(model_proto, engine, inputs, outputs, finished.constants)})  # fmt: skip
+                         "graph": _graph_section(model_proto, engine, inputs, outputs, finished.constants,
+                                                 pad_steps)})  # fmt: skip
             return write_manifest(staging, body)
 
         def measure(finished: Finished) -> Any:
@@ -287,9 +273,10 @@ def _check_rows_agree(staging: Path, method: str) -> dict[str, Any]:
 
 
 def _graph_section(model_proto: Any, engine: Any, inputs: list[str], outputs: list[str],
-                   constants: dict[str, np.ndarray]) -> dict[str, Any]:  # fmt: skip
+                   constants: dict[str, np.ndarray], pad_steps: bool = False) -> dict[str, Any]:  # fmt: skip
     """How a host runs the graph, whatever the method: what it zero-fills at the start, what it
-    binds once, which output feeds which input (and which are written in place), what it trims."""
+    binds once, which output feeds which input (and which are written in place), what it trims.
+    `pad_steps`: a one-token call writes one cache slot past its token (`export_onnx`)."""
     kv = [name for name in inputs if name.startswith("past_")]
     return {
         "file": "model.onnx",
@@ -304,7 +291,7 @@ def _graph_section(model_proto: Any, engine: Any, inputs: list[str], outputs: li
         "constants": {name: _constant(value) for name, value in constants.items()},
         # bind output[:, :1 + max(count)] only: columns past every row's count are padding
         "trims": dict(engine.trims),
-        "extra_slots": int(engine.extra_slots),  # cache slots a call writes beyond its tokens
+        "extra_slots": max(int(engine.extra_slots), int(pad_steps)),  # cache slots a call writes beyond its tokens
         "fused_attention": _fused_layers(model_proto),  # attention nodes run by GroupQueryAttention (exporters/gqa.py)
     }
 

@@ -126,38 +126,39 @@ def test_speculation_equals_its_own_none_engine(weights, activations, tiny_folde
             assert again.output_ids == sampled.output_ids
 
 
-def test_int8_activation_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, capsys):
+def test_int8_activation_speculation_equals_its_own_none_engine(tiny_folder, tmp_path):
     """At int8 activations a verify call must round every row exactly as a one-token call does.
-    The compile checks it on this machine (`_check_rows_agree`) and refuses if not; where it
-    holds, the speculative engines (portable attention, the `auto` choice there) emit exactly
-    what plain decoding with the same attention emits, greedy and seeded-sampled."""
+    The fused attention runs a one-token call as two tokens for that (`exporters/gqa.py`), the
+    portable one needs nothing, and the compile checks it on this machine (`_check_rows_agree`),
+    refusing if not. Where it holds, each speculative engine emits exactly what `none` with the
+    same attention emits, greedy and seeded-sampled (Medusa's tree engine is never fused)."""
     folder = str(tiny_folder("llama"))
-    args = ["compile", folder, "-o", str(tmp_path / "out"), "--method", "lookup", "--weights", "int4"]
-    _cli_refuses([*args, "--activations", "int8", "--attention", "fused"], capsys, "needs --attention portable")
-    assert not (tmp_path / "out").exists()
+    builds = {"none": ("none", "fused"), "none-portable": ("none", "portable"), "lookup": ("lookup", "fused"),
+              "lookup-portable": ("lookup", "portable"), "medusa": ("medusa", "fused")}  # fmt: skip
     engines = {}
-    for method in ("none", "lookup", "medusa"):
+    for name, (method, attention) in builds.items():
         extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
-        cfg = CompileConfig.of(model=folder, output=tmp_path / method, method=method, max_context=160, weights="int4",
-                               activations="int8", attention="portable" if method == "none" else "auto", **extra)  # fmt: skip
+        cfg = CompileConfig.of(model=folder, output=tmp_path / name, method=method, max_context=160, weights="int4",
+                               activations="int8", attention=attention, **extra)  # fmt: skip
         try:
             compile_model(cfg)
         except InputError as exc:  # kernels that round a several-token call differently: refused, nothing written
             assert method != "none" and "computes a several-token call differently" in str(exc)
-            assert not (tmp_path / method).exists()
+            assert not (tmp_path / name).exists()
             pytest.xfail(f"refused on this machine (its int8 kernels are not row-consistent): {exc}")
-        engines[method] = Engine(tmp_path / method)
+        engines[name] = Engine(tmp_path / name)
     assert engines["none"].manifest["weights"]["exact"] is False
-    for method in ("lookup", "medusa"):
-        assert engines[method].manifest["weights"]["rows_agree"]["checked"] is True
-        assert engines[method].manifest["graph"]["fused_attention"] == 0
+    assert engines["none"].manifest["graph"]["fused_attention"] > 0 and engines["none"].extra_slots == 1
+    assert engines["medusa"].manifest["graph"]["fused_attention"] == 0
+    for name in ("lookup", "lookup-portable", "medusa"):
+        assert engines[name].manifest["weights"]["rows_agree"]["checked"] is True
+    pairs = {"lookup": "none", "lookup-portable": "none-portable", "medusa": "none-portable"}
     for prompt in PROMPTS:
-        want = engines["none"].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids
-        for method in ("lookup", "medusa"):
-            assert engines[method].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids == want
-        sampled = engines["none"].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
-        for method in ("lookup", "medusa"):
-            again = engines[method].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
+        for spec, plain in pairs.items():
+            want = engines[plain].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids
+            assert engines[spec].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids == want
+            sampled = engines[plain].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
+            again = engines[spec].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
             assert again.output_ids == sampled.output_ids
 
 
