@@ -305,7 +305,7 @@ def test_a_compile_that_fails_half_way_keeps_the_old_bundle(tiny_folder, tmp_pat
     old = _fake_bundle(tmp_path / "out")
     before = tree_hash(tmp_path)
 
-    def failing_export(_engine, _shapes, path, _heads=None):
+    def failing_export(_engine, _shapes, path, *_rest):
         path.write_bytes(b"half an engine")
         raise ExportError("export failed half way")
 
