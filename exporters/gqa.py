@@ -278,6 +278,8 @@ def _lengths(name: str, q_flat: str, write_pos: str, pad: bool = False) -> list[
             const("pads_head", [0, 0, 0, 0]),
             const("pads_tail", [0]),
             node("Concat", ["pads_head", "extra", "pads_tail"], "pads", axis=0),
+            const("zero_1d", [0]),  # the output's Slice back to t_in rows along axis 1
+            const("one_1d", [1]),
         ]
     return [
         const("one", 1),
@@ -329,12 +331,8 @@ def _layer_if(name: str, layer: _Layer, lengths: str, num_heads: int, kv_heads: 
         )
     )
     if pad:
-        zero, one = f"{lengths}.zero_1d", f"{lengths}.one_1d"
-        fused += [
-            helper.make_node("Constant", [], [zero], value=numpy_helper.from_array(np.asarray([0], np.int64))),
-            helper.make_node("Constant", [], [one], value=numpy_helper.from_array(np.asarray([1], np.int64))),
-            helper.make_node("Slice", [out, zero, f"{lengths}.t_in", one], [f"{sinks[0]}.then"]),
-        ]
+        starts, axes = f"{lengths}.zero_1d", f"{lengths}.one_1d"
+        fused.append(helper.make_node("Slice", [out, starts, f"{lengths}.t_in", axes], [f"{sinks[0]}.then"]))
     then = helper.make_graph(fused, f"{name}.fused", [], [_value(f"{s}.then", elem) for s in sinks])
     otherwise = helper.make_graph(
         _generic(name, layer), f"{name}.generic", [], [_value(f"{s}.else", elem) for s in sinks]

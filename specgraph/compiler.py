@@ -224,11 +224,10 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
 
         t0 = time.perf_counter()
         finished = cfg.spec.finish(staging, cfg, built, measure)
-        write(finished)
         if cfg.activations == "int8" and cfg.spec.speculative:
             say("check rows")
-            weights["rows_agree"] = _check_rows_agree(staging, cfg.method)
-            write(finished)
+            weights["rows_agree"] = _check_rows_agree(measure(finished), cfg.method)
+        write(finished)
         if time.perf_counter() - t0 > 0.5:
             times["method"] = time.perf_counter() - t0
         replace_dir(staging, out, cfg.inputs, cfg.force)
@@ -239,8 +238,9 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
     return CompileReport(Path(cfg.output), cfg.method, anatomy.summary(), counts, seconds, finished.report, weights)
 
 
-def _check_rows_agree(staging: Path, method: str) -> dict[str, Any]:
-    """Refuse (InputError) an int8-activation speculative engine whose verify calls do not
+def _check_rows_agree(engine: Any, method: str) -> dict[str, Any]:
+    """Refuse (InputError) an int8-activation speculative engine (`engine`, the staged bundle
+    loaded) whose verify calls do not
     compute, bit for bit, what one-token calls compute on this machine: int8 rounding turns any
     last-bit difference into another model, and speculation would change the text. The check:
     a 4-token call after a 12-token prefill must leave the target's KV cache exactly as four
@@ -251,9 +251,6 @@ def _check_rows_agree(staging: Path, method: str) -> dict[str, Any]:
 
     import onnxruntime as ort
 
-    from specgraph.runtime import Engine
-
-    engine = Engine(staging, verify=False)
     ids = np.random.default_rng(0).integers(0, int(engine.manifest["vocab_size"]), (1, 16), dtype=np.int64)
 
     def caches(chunks: list[int]) -> dict[str, np.ndarray]:
