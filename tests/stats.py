@@ -51,6 +51,8 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
            "eagle": {"eagle": str(eagle), "num_draft": 3}}.get(name, {})  # fmt: skip
     if method.endswith("-adaptive"):  # a threshold that switches drafting on and off within three tokens
         own = {**own, "adaptive": True, "adaptive_threshold": 2.5}
+    if method.endswith("-fixed"):  # lookup sends every draft it finds
+        own = {**own, "adaptive": False}
     return CompileConfig.of(folder, root / method, name, max_context=64, **own)
 
 

@@ -220,3 +220,84 @@ def test_cli_and_api_refuse_a_prompt_with_the_same_words(tiny_bundle, capsys):
         Engine(bundle).generate([1, -1])
     assert main(["generate", str(bundle), "--prompt-ids", "1,-1"]) == InputError.exit_code
     assert capsys.readouterr().err == f"specgraph generate: error: {info.value}\n"
+
+
+# --- lookup --adaptive (issue 10: run-time draft length) ----------------------------------------
+
+
+def _with_cost(bundle, out, cost):  # type: ignore[no-untyped-def]
+    """A copy of the adaptive lookup `bundle` at `out` whose verify-cost curve is `cost`."""
+    import json
+    import shutil
+
+    import onnx
+
+    from specgraph.exporters.manifest import MANIFEST, sha256
+
+    shutil.copytree(bundle, out)
+    graph = out / "model.onnx"
+    model = onnx.load(str(graph), load_external_data=False)
+    (init,) = [t for t in model.graph.initializer if "lookup_cost" in t.name]
+    init.CopyFrom(onnx.numpy_helper.from_array(np.asarray(cost, np.float32), init.name))
+    onnx.save_model(model, str(graph))
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"]["model.onnx"] = {"size": graph.stat().st_size, "sha256": sha256(graph)}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return Engine(out)
+
+
+def test_adaptive_lookup_is_lossless_and_sends_only_drafts_that_pay(tiny_folder, tiny_bundle, tmp_path):
+    """`--adaptive` (lookup's default): the cost curve is measured into the graph; the output
+    equals HF greedy and lookup without it, batched too; a curve on which drafting never pays
+    sends no draft (a plain step every round), a flat one sends every draft that lookup without
+    `--adaptive` sends."""
+    from specgraph.compiler import CompileConfig, compile_model
+
+    model = build("llama")
+    bundle = tiny_bundle("llama", "lookup")
+    engine = Engine(bundle)
+    section = engine.manifest["lookup"]["adaptive"]
+    assert section["cost"][0] == 1.0 and len(section["cost"]) == 6
+    assert section["cost"] == sorted(section["cost"])
+    fixed = tmp_path / "fixed"
+    compile_model(CompileConfig.of(tiny_folder("llama"), fixed, "lookup", max_context=160, num_draft=5, adaptive=False))
+    plain = Engine(fixed)
+    assert "adaptive" not in plain.manifest["lookup"] and "lookup_stats" not in plain.manifest["graph"]["state"]
+    never = _with_cost(bundle, tmp_path / "never", [1.0, *[100.0] * 5])
+    flat = _with_cost(bundle, tmp_path / "flat", [1.0] * 6)
+    for prompt in PROMPTS:
+        want = hf_greedy(model, prompt, NEW_TOKENS)
+        ran = {name: e.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+               for name, e in (("adaptive", engine), ("plain", plain), ("never", never), ("flat", flat))}  # fmt: skip
+        for result in ran.values():
+            assert_same_greedy(model, prompt, result.output_ids, want)
+        assert ran["never"].steps == NEW_TOKENS - 1
+        assert ran["flat"].steps == ran["plain"].steps
+    repeats = ran_batch = engine.generate_batch(PROMPTS, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+    for prompt, result in zip(PROMPTS, ran_batch, strict=True):
+        assert result.output_ids == engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids
+    assert repeats[0].mean_accepted > 1.2  # the repetitive prompt still gains
+
+
+def test_adaptive_lookup_learns_from_sent_and_withheld_drafts():
+    """The acceptance statistics and the draft count, on hand-made rounds."""
+    from specgraph.methods.lookup import ADAPT_DECAY, _draft_count, _observe
+
+    stats = torch.tensor([[2.0, 1.0], [2.0, 1.0], [2.0, 1.0], [2.0, 1.0]])
+    # rows: sent 3 and 1 was accepted; sent 2, both accepted; sent none, withheld 7, 7 came; nothing proposed
+    last = torch.tensor([[3, 0], [2, 0], [0, 8], [0, 0]])
+    tokens = torch.tensor([[4, 9, 9, 9], [4, 5, 6, 0], [4, 7, 7, 7], [4, 7, 7, 7]])
+    committed = torch.tensor([2, 3, 1, 1])
+    bonus = torch.tensor([[1], [2], [7], [3]])
+    got = _observe(stats, last, tokens, bonus, committed)
+    d = ADAPT_DECAY
+    want = torch.tensor([[2 * d + 1, d + 1], [2 * d + 2, d], [2 * d + 1, d], [2.0, 1.0]])
+    assert torch.allclose(got, want)
+    # a withheld draft that the target did not take counts as rejected
+    miss = _observe(stats[2:3], last[2:3], tokens[2:3], torch.tensor([[6]]), committed[2:3])
+    assert torch.allclose(miss, torch.tensor([[2 * d, d + 1]]))
+    cost = torch.tensor([1.0, 1.05, 1.3, 1.5, 1.8])
+    confident, unsure, hopeless = torch.tensor([[40.0, 0.0], [1.0, 3.0], [0.0, 40.0]]).split(1)
+    assert _draft_count(confident, cost).item() == 4
+    assert _draft_count(unsure, cost).item() == 1
+    assert _draft_count(hopeless, cost).item() == 0

@@ -57,7 +57,7 @@ def v8(tiny_folder, tmp_path_factory):
     return get, build("llama-v8")
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "draft", "eagle", "eagle-adaptive"])
+@pytest.mark.parametrize("method", ["none", "lookup", "lookup-fixed", "medusa", "draft", "eagle", "eagle-adaptive"])
 def test_joint_law_of_three_tokens_matches_direct_sampling(method, v8):
     get, model = v8
     engine = get(method)

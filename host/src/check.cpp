@@ -217,7 +217,7 @@ int ort_slots(const std::string& lib_path, const std::string& bundle) {
     d[0] = 1;
     ort::Value* v = tensor(dtype_of(m.input(name)->dtype), d, nullptr);
     bound = bound && !a.BindInput(io, name.c_str(), v);
-    if (!cache && m.input(name)->dtype == "float32") {
+    if (!cache && m.input(name)->dtype == "float32" && name.rfind("past_", 0) == 0) {  // a KV cache
       cache = v;
       cache_input = name;
       cache_index = buffers.size() - 1;

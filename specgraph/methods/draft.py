@@ -34,6 +34,7 @@ rows are all greedy computes no q and no p~ (the operators' ONNX forms skip them
 
 from __future__ import annotations
 
+import argparse
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -349,10 +350,12 @@ def add_drafting_flags(group: Any) -> None:
 
 def add_adaptive_flag(group: Any) -> None:
     group.add_argument(
-        "--adaptive", action="store_true", default=None,
-        help="draft, eagle, early-exit: each row drafts only while its recent rounds accept enough drafts to pay for "
-        "drafting (the threshold is measured at compile time); a call in which no row drafts skips the "
-        "drafter and costs a plain step. Lossless either way",
+        "--adaptive", action=argparse.BooleanOptionalAction, default=None,
+        help="draft, eagle, early-exit (off by default): each row drafts only while its recent rounds accept enough "
+        "drafts to pay for drafting (the threshold is measured at compile time); a call in which no row drafts "
+        "skips the drafter and costs a plain step. lookup (on by default): each row sends the number of drafts "
+        "(0..K) that its recent acceptance and the engine's verify cost, measured at compile time, say pays best. "
+        "Lossless either way",
     )  # fmt: skip
     group.add_argument(
         "--adaptive-threshold", type=float,

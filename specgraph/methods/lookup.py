@@ -4,26 +4,42 @@ occurrence of the last n tokens; nothing to load or train.
 The engine carries the token history as per-row state (`history [B, S+1]`, fed by `history_out`)
 and says how many of its K drafts are real (`n_draft`): the manifest's `graph.trims` tells the host
 to send only `next_tokens[:, :1 + max(n_draft)]`, so a round without a match verifies one token.
+
+With `adaptive` (the default; `--no-adaptive` turns it off) a row sends fewer of them where
+they do not pay (`_draft_count`): each row keeps a decayed
+count of drafts accepted and rejected (`lookup_stats`), reads an acceptance rate a from it, and
+sends the k in 0..K that maximises (1 + a + ... + a^k) / c(1 + k), where c is this engine's own
+verify cost measured at compile time (`lookup_cost`, relative to c(1)). A row that sent no draft
+still learns: the next call checks the first draft it withheld against the token that was
+committed there (`lookup_last`). Lossless either way: the count only decides how many drafts the
+next call verifies.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from specgraph.errors import InputError
 from specgraph.methods.base import Built, Finished, Measure, Method, Options
+from specgraph.methods.draft import add_adaptive_flag
 from specgraph.step import StepEngine
 
 _I64 = torch.int64
+# `--adaptive`: [B, 2] decayed accepted/rejected counts; [B, 2] drafts sent last call, its withheld first draft + 1
+ADAPT_STATE = ("lookup_stats", "lookup_last")
+ADAPT_DECAY = 0.8  # weight of a row's past observations in its acceptance rate
 
 
 @dataclass(frozen=True)
 class LookupOptions(Options):
     num_draft: int = 7  # draft tokens per round (a call verifies 1 + K tokens)
     max_ngram: int = 3  # longest n-gram matched in the context
+    adaptive: bool = True  # per row, send only as many drafts as pay for their verification (`_draft_count`)
 
     def check(self) -> None:
         if not 1 <= self.num_draft <= 64:
@@ -33,22 +49,34 @@ class LookupOptions(Options):
 
 
 class LookupStepEngine(StepEngine):
-    state_inputs = ("history",)
-    draft_outputs = ("history_out", "n_draft")
     trims = {"next_tokens": "n_draft"}  # bind next_tokens[:, :1 + max(n_draft)] only
 
-    def __init__(self, *args: Any, num_draft: int, max_ngram: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, num_draft: int, max_ngram: int, adaptive: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.num_draft = num_draft
         self.max_ngram = max_ngram
+        self.adaptive = adaptive
+        adapt = ADAPT_STATE if adaptive else ()
+        self.state_inputs = ("history", *adapt)
+        self.draft_outputs = ("history_out", *(f"{n}_out" for n in adapt), "n_draft")
+        if adaptive:  # c(1 + k) / c(1) for k = 0..K; `finish` writes the measured curve
+            self.register_buffer("lookup_cost", torch.arange(1, num_draft + 2, dtype=torch.float32))
 
     def example_state(self, batch: int) -> list[torch.Tensor]:
-        return [torch.zeros(batch, self.max_context + 1, dtype=_I64)]
+        adapt = [torch.zeros(batch, 2), torch.zeros(batch, 2, dtype=_I64)] if self.adaptive else []
+        return [torch.zeros(batch, self.max_context + 1, dtype=_I64), *adapt]
 
     def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
         history_out = _record(state[0], tokens, cache_len, bonus, cache_len_out)
         drafts, n_draft = _lookup_drafts(history_out, cache_len_out, self.num_draft, self.max_ngram)
-        return torch.cat([bonus, drafts], dim=1), [history_out, n_draft]  # next_tokens [B, 1+K]
+        adapt = []
+        if self.adaptive:
+            stats = _observe(state[1], state[2], tokens, bonus, cache_len_out - cache_len)
+            sent = torch.minimum(n_draft, _draft_count(stats, self.lookup_cost))
+            # the first draft when a match was found but none is sent: the next call checks it
+            withheld = torch.where((sent == 0) & (n_draft > 0), drafts[:, 0] + 1, torch.zeros_like(sent))
+            adapt, n_draft = [stats, torch.stack([sent, withheld], dim=1)], sent
+        return torch.cat([bonus, drafts], dim=1), [history_out, *adapt, n_draft]  # next_tokens [B, 1+K]
 
 
 class LookupMethod(Method):
@@ -67,25 +95,84 @@ class LookupMethod(Method):
         group.add_argument(
             "--max-ngram", type=int, default=3, help="lookup: longest n-gram matched in the context (default 3)"
         )
+        add_adaptive_flag(group)
 
     def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
         opts: LookupOptions = cfg.opts
         engine = LookupStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
-                                  cfg.engine_samples, num_draft=opts.num_draft, max_ngram=opts.max_ngram)  # fmt: skip
+                                  cfg.engine_samples, num_draft=opts.num_draft, max_ngram=opts.max_ngram,
+                                  adaptive=opts.adaptive)  # fmt: skip
         return Built(engine)
+
+    def stages(self, options: Any) -> list[str]:
+        return ["measure verify cost"] if options.adaptive else []
 
     def finish(self, staging: Any, cfg: Any, built: Built, measure: Measure) -> Finished:
         opts: LookupOptions = cfg.opts
-        return Finished({"num_draft": opts.num_draft, "max_ngram": opts.max_ngram}, draft_depth=opts.num_draft)
+        section: dict[str, Any] = {"num_draft": opts.num_draft, "max_ngram": opts.max_ngram}
+        if opts.adaptive:
+            placeholder = Finished(section, draft_depth=opts.num_draft)
+            section["adaptive"] = _measure_cost(staging, measure(placeholder), opts.num_draft)
+        return Finished(section, draft_depth=opts.num_draft)
 
 
 LOOKUP = LookupMethod()
+
+
+def _measure_cost(staging: Path, engine: Any, num_draft: int) -> dict[str, Any]:
+    """Time calls of 1..K+1 tokens at context 128 (three interleaved rounds, medians), write
+    c(1 + k) / c(1) into the staged graph's `lookup_cost` (non-decreasing: a longer call never
+    costs less) and return the manifest's description."""
+    import onnx
+
+    from specgraph.timing import time_call
+
+    at = min(128, engine.max_context - num_draft - 2)
+    times = np.array([[time_call(engine, n, at, repeats=5) for n in range(1, num_draft + 2)] for _ in range(3)])
+    seconds = np.median(times, axis=0)
+    cost = np.maximum.accumulate(seconds / seconds[0]).astype(np.float32)
+    path = staging / "model.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    (init,) = [t for t in model.graph.initializer if "lookup_cost" in t.name]
+    init.CopyFrom(onnx.numpy_helper.from_array(cost, init.name))
+    onnx.save_model(model, str(path))
+    return {"cost": [round(float(c), 3) for c in cost], "c1_ms": round(float(seconds[0]) * 1e3, 2), "context": at,
+            "decay": ADAPT_DECAY}  # fmt: skip
 
 
 def _record(history, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
     """Write this call's tokens, then the bonus, into the token history ([B, S+1])."""
     hist = torch.ops.specgraph.kv_write(history, tokens, cache_len, -1)
     return torch.ops.specgraph.kv_write(hist, bonus, cache_len_out, -1)
+
+
+def _observe(stats, last, tokens, bonus, committed):  # type: ignore[no-untyped-def]
+    """The row's decayed [accepted, rejected] draft counts [B, 2] after this call. `last` [B, 2]
+    says what the previous call proposed: how many drafts it sent, and (+ 1) the first draft it
+    withheld when it sent none. Sent drafts count as accepted up to the first rejection; a
+    withheld one counts as accepted if it equals the token committed after this call's first
+    (one observation at no cost: lookup's drafts are free to make). A prompt call observes
+    nothing: the state is zero then."""
+    sent, withheld = last[:, 0], last[:, 1]  # [B]
+    accepted = committed - 1  # [B] this call's drafts accepted (its first token is the last bonus)
+    # the token committed right after this call's first: its second token if accepted, else the bonus
+    after = torch.where(accepted > 0, torch.cat([tokens, bonus], dim=1)[:, 1], bonus[:, 0])  # [B]
+    hit = (withheld == after + 1).to(stats.dtype)
+    good = torch.where(sent > 0, torch.minimum(accepted, sent).to(stats.dtype), hit)
+    bad = torch.where(sent > 0, (accepted < sent).to(stats.dtype), 1 - hit)
+    seen = ((sent > 0) | (withheld > 0))[:, None]
+    return torch.where(seen, ADAPT_DECAY * stats + torch.stack([good, bad], dim=1), stats)
+
+
+def _draft_count(stats, cost):  # type: ignore[no-untyped-def]
+    """The k in 0..K [B] that maximises the expected tokens of a round per unit of its cost,
+    (1 + a + a^2 + ... + a^k) / cost[k], for each row's acceptance rate a (accepted + 1) /
+    (accepted + rejected + 2): geometric acceptance, so a draft is accepted with probability a
+    given the one before it was."""
+    rate = (stats[:, :1] + 1) / (stats.sum(dim=1, keepdim=True) + 2)  # [B, 1]
+    depth = torch.arange(1, cost.shape[0], dtype=stats.dtype)[None, :]  # [1, K]
+    expected = torch.cat([torch.ones_like(rate), 1 + torch.cumsum(rate**depth, dim=1)], dim=1)  # [B, 1+K]
+    return (expected / cost).argmax(dim=1)  # [B]
 
 
 def _lookup_drafts(seq: torch.Tensor, last: torch.Tensor, k: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
