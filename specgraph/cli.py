@@ -442,7 +442,7 @@ def _weights_line(w: dict[str, Any]) -> str:
     if w.get("stored") != "blocks":
         return f"weights: {w['weights']}, float32"
     formats = " + ".join(f"{k} x{v}" for k, v in sorted(w["formats"].items()))
-    exact = "exact against the dequantised weights" if w["exact"] else "int8 activations: a different model"
+    exact = "exact against the dequantised weights" if w["exact"] else "a different model (rounded activations)"
     return (
         f"weights: {w['weights']}, stored {formats} ({w['block_bytes'] / 1e6:.1f} MB instead of "
         f"{w['float32_bytes'] / 1e6:.1f} MB float32), {w['activations']} activations, {exact}"
