@@ -443,9 +443,11 @@ def _weights_line(w: dict[str, Any]) -> str:
         return f"weights: {w['weights']}, float32"
     formats = " + ".join(f"{k} x{v}" for k, v in sorted(w["formats"].items()))
     exact = "exact against the dequantised weights" if w["exact"] else "a different model (rounded activations)"
+    same = w.get("rows_agree", {}).get("same_text_as")
     return (
         f"weights: {w['weights']}, stored {formats} ({w['block_bytes'] / 1e6:.1f} MB instead of "
         f"{w['float32_bytes'] / 1e6:.1f} MB float32), {w['activations']} activations, {exact}"
+        + (f"; the same text as --method {same} with these weights" if same else "")
     )
 
 

@@ -227,6 +227,8 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
         if cfg.activations == "int8" and cfg.spec.speculative:
             say("check rows")
             weights["rows_agree"] = _check_rows_agree(measure(finished), cfg.method)
+            # the plain engine whose text this one reproduces: at int8 the two attention forms round differently
+            weights["rows_agree"]["same_text_as"] = "none" if fused else "none --attention portable"
         write(finished)
         if time.perf_counter() - t0 > 0.5:
             times["method"] = time.perf_counter() - t0

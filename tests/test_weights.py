@@ -150,9 +150,11 @@ def test_int8_activation_speculation_equals_its_own_none_engine(tiny_folder, tmp
     assert engines["none"].manifest["weights"]["exact"] is False
     assert engines["none"].manifest["graph"]["fused_attention"] > 0 and engines["none"].extra_slots == 1
     assert engines["medusa"].manifest["graph"]["fused_attention"] == 0
-    for name in ("lookup", "lookup-portable", "medusa"):
-        assert engines[name].manifest["weights"]["rows_agree"]["checked"] is True
     pairs = {"lookup": "none", "lookup-portable": "none-portable", "medusa": "none-portable"}
+    for name, plain in pairs.items():
+        agree = engines[name].manifest["weights"]["rows_agree"]
+        assert agree["checked"] is True
+        assert agree["same_text_as"] == {"none": "none", "none-portable": "none --attention portable"}[plain]
     for prompt in PROMPTS:
         for spec, plain in pairs.items():
             want = engines[plain].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids
