@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 def compile(model: str | Path, output: str | Path, method: str = "none", **options: Any) -> CompileReport:
     """Compile `model` (a torch.export file, HF folder, GGUF file or "smollm2-135m") into a
     bundle at `output`. Options mirror `specgraph compile`'s flags: the shared ones (max_context,
-    weights, sampling...) and the method's own (lookup: num_draft, max_ngram; medusa: heads, tree,
-    acceptance)."""
+    weights, sampling...) and the method's own (lookup: num_draft, max_ngram, adaptive; medusa:
+    heads, tree, acceptance; `specgraph compile --help` lists every method's)."""
     from specgraph.compiler import CompileConfig, compile_model
 
     return compile_model(CompileConfig.of(model, output, method, **options))
