@@ -110,10 +110,13 @@ class LookupMethod(Method):
     def finish(self, staging: Any, cfg: Any, built: Built, measure: Measure) -> Finished:
         opts: LookupOptions = cfg.opts
         section: dict[str, Any] = {"num_draft": opts.num_draft, "max_ngram": opts.max_ngram}
+        summary = f"up to {opts.num_draft} drafts a round, copied from the latest earlier match of the last {opts.max_ngram}..1 tokens"
         if opts.adaptive:
             placeholder = Finished(section, draft_depth=opts.num_draft)
             section["adaptive"] = _measure_cost(staging, measure(placeholder), opts.num_draft)
-        return Finished(section, draft_depth=opts.num_draft)
+            curve = " ".join(f"{c:g}" for c in section["adaptive"]["cost"])
+            summary += f"; each row sends only those that pay (adaptive; c(1+k)/c(1) for k = 0..: {curve})"
+        return Finished(section, draft_depth=opts.num_draft, report={**section, "summary": summary})
 
 
 LOOKUP = LookupMethod()
