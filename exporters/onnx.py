@@ -110,3 +110,13 @@ def export_onnx(
         fuse_cached_attention(path, caches, pad=frozenset({"past_key_"} if pad_steps else ()))
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)
+
+
+def set_initializer(path: Path, contains: str, value: Any) -> None:
+    """Replace the one initializer of the graph at `path` whose name contains `contains` (a
+    buffer the engine registered, e.g. a threshold a method measures after the export) with
+    `value` (a numpy array), leaving its external data as it is."""
+    model = onnx.load(str(path), load_external_data=False)
+    (init,) = [t for t in model.graph.initializer if contains in t.name]
+    init.CopyFrom(onnx.numpy_helper.from_array(value, init.name))
+    onnx.save_model(model, str(path))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -33,3 +35,41 @@ def time_call(engine: Engine, n_tokens: int, cache_len: int, repeats: int = 10, 
         engine.call(io, feeds, state)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def verify_cost_curve(
+    engine: Engine,
+    ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    cache_len: int = 128,
+    repeats: int = 10,
+    batch: int = 1,
+) -> dict[str, Any]:
+    """c(N) of the engine at context `cache_len`, each call verifying N tokens in each of `batch`
+    rows: {"cache_len", "ms": {N: ms}, "ratio": {N: c(N)/c(1)}, "break_even_tau": {N: tau},
+    "skipped": [N...]}. N that do not fit in the engine's maximum context are skipped; N=1 is
+    always timed (the ratios need it). Times are medians over `repeats` interleaved rounds.
+
+    break_even_tau[N] is the mean accepted length (tokens per step) at which a step verifying N
+    tokens just pays against plain decoding: tau / c(N) = 1 / c(1), so tau = c(N)/c(1) (drafting
+    taken as free). A chain of N verified tokens accepts at most N a step, so where the ratio
+    reaches N that size never pays."""
+    fits = [n for n in sorted(set(ns) | {1}) if cache_len + n <= engine.max_context]
+    ms = interleaved_ms(engine, [(n, cache_len) for n in fits], repeats, batch)
+    by_n = {n: ms[(n, cache_len)] for n in fits}
+    base = by_n.get(1)
+    ratio = {n: t / base for n, t in by_n.items()} if base else {}
+    return {"cache_len": cache_len, "ms": by_n, "ratio": ratio, "break_even_tau": dict(ratio),
+            "skipped": [n for n in ns if n not in fits]}  # fmt: skip
+
+
+def interleaved_ms(
+    engine: Engine, points: list[tuple[int, int]], repeats: int, batch: int = 1
+) -> dict[tuple[int, int], float]:
+    """Median ms of one engine call at each (tokens, context) point. The repeats go round the
+    points in turn (each a warmed single call), so a burst of load elsewhere on the machine
+    lands on every point alike instead of skewing one ratio."""
+    times: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for _ in range(max(repeats, 1)):
+        for n, context in points:
+            times[(n, context)].append(time_call(engine, n, context, repeats=1, batch=batch) * 1e3)
+    return {p: statistics.median(t) for p, t in times.items()}

@@ -273,10 +273,10 @@ def test_adaptive_lookup_is_lossless_and_sends_only_drafts_that_pay(tiny_folder,
             assert_same_greedy(model, prompt, result.output_ids, want)
         assert ran["never"].steps == NEW_TOKENS - 1
         assert ran["flat"].steps == ran["plain"].steps
-    repeats = ran_batch = engine.generate_batch(PROMPTS, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
-    for prompt, result in zip(PROMPTS, ran_batch, strict=True):
+    batch = engine.generate_batch(PROMPTS, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+    for prompt, result in zip(PROMPTS, batch, strict=True):
         assert result.output_ids == engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids
-    assert repeats[0].mean_accepted > 1.2  # the repetitive prompt still gains
+    assert batch[0].mean_accepted > 1.2  # the repetitive prompt still gains
 
 
 def test_adaptive_lookup_learns_from_sent_and_withheld_drafts():

@@ -377,9 +377,8 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     and one without at context 128, and set the threshold (unless given): the accepted drafts per
     round at which drafting pays for itself (round time / idle time - 1). Returns the manifest's
     description."""
-    import onnx
-
     from specgraph.exporters.gate import gate_drafter
+    from specgraph.exporters.onnx import set_initializer
     from specgraph.timing import time_call
 
     path = staging / "model.onnx"
@@ -395,10 +394,7 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     round_s, idle_s = float(np.median(drafting)), float(np.median(idle))
     measured = round_s / idle_s - 1
     threshold = measured if threshold is None else threshold
-    model = onnx.load(str(path), load_external_data=False)
-    (init,) = [t for t in model.graph.initializer if "draft_threshold" in t.name]
-    init.CopyFrom(onnx.numpy_helper.from_array(np.array([threshold], np.float32), init.name))
-    onnx.save_model(model, str(path))
+    set_initializer(path, "draft_threshold", np.array([threshold], np.float32))
     return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "round_ms": round(round_s * 1e3, 2),
             "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "gated_nodes": moved}  # fmt: skip
 

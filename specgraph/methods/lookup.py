@@ -123,23 +123,18 @@ LOOKUP = LookupMethod()
 
 
 def _measure_cost(staging: Path, engine: Any, num_draft: int) -> dict[str, Any]:
-    """Time calls of 1..K+1 tokens at context 128 (three interleaved rounds, medians), write
-    c(1 + k) / c(1) into the staged graph's `lookup_cost` (non-decreasing: a longer call never
-    costs less) and return the manifest's description."""
-    import onnx
-
-    from specgraph.timing import time_call
+    """Measure c(1 + k) / c(1) for k = 0..K at context 128 (`timing.verify_cost_curve`), write
+    it into the staged graph's `lookup_cost` (non-decreasing: a longer call never costs less) and
+    return the manifest's description."""
+    from specgraph.exporters.onnx import set_initializer
+    from specgraph.timing import verify_cost_curve
 
     at = min(128, engine.max_context - num_draft - 2)
-    times = np.array([[time_call(engine, n, at, repeats=5) for n in range(1, num_draft + 2)] for _ in range(3)])
-    seconds = np.median(times, axis=0)
-    cost = np.maximum.accumulate(seconds / seconds[0]).astype(np.float32)
-    path = staging / "model.onnx"
-    model = onnx.load(str(path), load_external_data=False)
-    (init,) = [t for t in model.graph.initializer if "lookup_cost" in t.name]
-    init.CopyFrom(onnx.numpy_helper.from_array(cost, init.name))
-    onnx.save_model(model, str(path))
-    return {"cost": [round(float(c), 3) for c in cost], "c1_ms": round(float(seconds[0]) * 1e3, 2), "context": at,
+    curve = verify_cost_curve(engine, tuple(range(1, num_draft + 2)), at)
+    ratios = [curve["ratio"][n] for n in range(1, num_draft + 2)]
+    cost = np.maximum.accumulate(ratios).astype(np.float32)
+    set_initializer(staging / "model.onnx", "lookup_cost", cost)
+    return {"cost": [round(float(c), 3) for c in cost], "c1_ms": round(curve["ms"][1], 2), "context": at,
             "decay": ADAPT_DECAY}  # fmt: skip
 
 
