@@ -280,24 +280,33 @@ def test_adaptive_lookup_is_lossless_and_sends_only_drafts_that_pay(tiny_folder,
 
 
 def test_adaptive_lookup_learns_from_sent_and_withheld_drafts():
-    """The acceptance statistics and the draft count, on hand-made rounds."""
+    """The acceptance statistics per match length and the draft count, on hand-made rounds."""
     from specgraph.methods.lookup import ADAPT_DECAY, _draft_count, _observe
 
-    stats = torch.tensor([[2.0, 1.0], [2.0, 1.0], [2.0, 1.0], [2.0, 1.0]])
-    # rows: sent 3 and 1 was accepted; sent 2, both accepted; sent none, withheld 7, 7 came; nothing proposed
-    last = torch.tensor([[3, 0], [2, 0], [0, 8], [0, 0]])
+    stats = torch.tensor([[2.0, 1.0]]).repeat(4, 3, 1)  # [B, 3 match lengths, 2]
+    # rows: sent 3 after a 3-gram and 1 was accepted; sent 2 after a 1-gram, both accepted;
+    # sent none after a 2-gram, withheld 7, 7 came; nothing proposed
+    last = torch.tensor([[3, 0, 3], [2, 0, 1], [0, 8, 2], [0, 0, 0]])
     tokens = torch.tensor([[4, 9, 9, 9], [4, 5, 6, 0], [4, 7, 7, 7], [4, 7, 7, 7]])
     committed = torch.tensor([2, 3, 1, 1])
     bonus = torch.tensor([[1], [2], [7], [3]])
     got = _observe(stats, last, tokens, bonus, committed)
     d = ADAPT_DECAY
-    want = torch.tensor([[2 * d + 1, d + 1], [2 * d + 2, d], [2 * d + 1, d], [2.0, 1.0]])
+    want = stats.clone()  # only the match length each row's drafts followed moves
+    want[0, 2] = torch.tensor([2 * d + 1, d + 1])
+    want[1, 0] = torch.tensor([2 * d + 2, d])
+    want[2, 1] = torch.tensor([2 * d + 1, d])
     assert torch.allclose(got, want)
     # a withheld draft that the target did not take counts as rejected
     miss = _observe(stats[2:3], last[2:3], tokens[2:3], torch.tensor([[6]]), committed[2:3])
-    assert torch.allclose(miss, torch.tensor([[2 * d, d + 1]]))
+    assert torch.allclose(miss[0, 1], torch.tensor([2 * d, d + 1])) and torch.equal(miss[0, ::2], stats[2, ::2])
     cost = torch.tensor([1.0, 1.05, 1.3, 1.5, 1.8])
-    confident, unsure, hopeless = torch.tensor([[40.0, 0.0], [1.0, 3.0], [0.0, 40.0]]).split(1)
-    assert _draft_count(confident, cost).item() == 4
-    assert _draft_count(unsure, cost).item() == 1
-    assert _draft_count(hopeless, cost).item() == 0
+    # one row that copies well after 3-gram matches, hopelessly after 1-gram ones, unsure after 2-grams
+    row = torch.tensor([[[0.0, 40.0], [1.0, 3.0], [40.0, 0.0]]])
+    assert _draft_count(row, cost, torch.tensor([3])).item() == 4
+    assert _draft_count(row, cost, torch.tensor([2])).item() == 1
+    assert _draft_count(row, cost, torch.tensor([1])).item() == 0
+    # a length not seen yet borrows the row's rate over all lengths; one lucky round moves it only so far
+    unseen, lucky = torch.tensor([[[0.0, 40.0], [0.0, 0.0], [0.0, 0.0]], [[0.0, 40.0], [0.0, 0.0], [1.0, 0.0]]])
+    assert _draft_count(unseen[None], cost, torch.tensor([3])).item() == 0
+    assert _draft_count(lucky[None], cost, torch.tensor([3])).item() == 1

@@ -6,13 +6,14 @@ and says how many of its K drafts are real (`n_draft`): the manifest's `graph.tr
 to send only `next_tokens[:, :1 + max(n_draft)]`, so a round without a match verifies one token.
 
 With `adaptive` (the default; `--no-adaptive` turns it off) a row sends fewer of them where
-they do not pay (`_draft_count`): each row keeps a decayed
-count of drafts accepted and rejected (`lookup_stats`), reads an acceptance rate a from it, and
-sends the k in 0..K that maximises (1 + a + ... + a^k) / c(1 + k), where c is this engine's own
-verify cost measured at compile time (`lookup_cost`, relative to c(1)). A row that sent no draft
-still learns: the next call checks the first draft it withheld against the token that was
-committed there (`lookup_last`). Lossless either way: the count only decides how many drafts the
-next call verifies.
+they do not pay (`_draft_count`): each row keeps decayed counts of drafts accepted and rejected
+for each length n of the n-gram its drafts were copied after (`lookup_stats`: a 3-token match is
+a better guide than a 1-token one), reads the acceptance rate a of this round's match length
+from them, and sends the k in 0..K that maximises (1 + a + ... + a^k) / c(1 + k), where c is
+this engine's own verify cost measured at compile time (`lookup_cost`, relative to c(1)). A row
+that sent no draft still learns: the next call checks the first draft it withheld against the
+token that was committed there (`lookup_last`). Lossless either way: the count only decides how
+many drafts the next call verifies.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from specgraph.methods.draft import add_adaptive_flag
 from specgraph.step import StepEngine
 
 _I64 = torch.int64
-# `--adaptive`: [B, 2] decayed accepted/rejected counts; [B, 2] drafts sent last call, its withheld first draft + 1
+# `--adaptive`: [B, max_ngram, 2] decayed accepted/rejected counts per match length; [B, 3] what the last
+# call proposed: drafts sent, its withheld first draft + 1, the length of the n-gram they followed
 ADAPT_STATE = ("lookup_stats", "lookup_last")
-ADAPT_DECAY = 0.8  # weight of a row's past observations in its acceptance rate
+ADAPT_DECAY = 0.8  # weight of a row's past observations of a match length in its acceptance rate
+PRIOR_WEIGHT = 2.0  # observations' worth of the row's rate over all match lengths in one length's rate
 
 
 @dataclass(frozen=True)
@@ -63,19 +66,19 @@ class LookupStepEngine(StepEngine):
             self.register_buffer("lookup_cost", torch.arange(1, num_draft + 2, dtype=torch.float32))
 
     def example_state(self, batch: int) -> list[torch.Tensor]:
-        adapt = [torch.zeros(batch, 2), torch.zeros(batch, 2, dtype=_I64)] if self.adaptive else []
+        adapt = [torch.zeros(batch, self.max_ngram, 2), torch.zeros(batch, 3, dtype=_I64)] if self.adaptive else []
         return [torch.zeros(batch, self.max_context + 1, dtype=_I64), *adapt]
 
     def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
         history_out = _record(state[0], tokens, cache_len, bonus, cache_len_out)
-        drafts, n_draft = _lookup_drafts(history_out, cache_len_out, self.num_draft, self.max_ngram)
+        drafts, n_draft, matched = _lookup_drafts(history_out, cache_len_out, self.num_draft, self.max_ngram)
         adapt = []
         if self.adaptive:
             stats = _observe(state[1], state[2], tokens, bonus, cache_len_out - cache_len)
-            sent = torch.minimum(n_draft, _draft_count(stats, self.lookup_cost))
+            sent = torch.minimum(n_draft, _draft_count(stats, self.lookup_cost, matched))
             # the first draft when a match was found but none is sent: the next call checks it
             withheld = torch.where((sent == 0) & (n_draft > 0), drafts[:, 0] + 1, torch.zeros_like(sent))
-            adapt, n_draft = [stats, torch.stack([sent, withheld], dim=1)], sent
+            adapt, n_draft = [stats, torch.stack([sent, withheld, matched], dim=1)], sent
         return torch.cat([bonus, drafts], dim=1), [history_out, *adapt, n_draft]  # next_tokens [B, 1+K]
 
 
@@ -135,7 +138,7 @@ def _measure_cost(staging: Path, engine: Any, num_draft: int) -> dict[str, Any]:
     cost = np.maximum.accumulate(ratios).astype(np.float32)
     set_initializer(staging / "model.onnx", "lookup_cost", cost)
     return {"cost": [round(float(c), 3) for c in cost], "c1_ms": round(curve["ms"][1], 2), "context": at,
-            "decay": ADAPT_DECAY}  # fmt: skip
+            "decay": ADAPT_DECAY, "prior_weight": PRIOR_WEIGHT, "per_match_length": True}  # fmt: skip
 
 
 def _record(history, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
@@ -145,44 +148,56 @@ def _record(history, tokens, cache_len, bonus, cache_len_out):  # type: ignore[n
 
 
 def _observe(stats, last, tokens, bonus, committed):  # type: ignore[no-untyped-def]
-    """The row's decayed [accepted, rejected] draft counts [B, 2] after this call. `last` [B, 2]
-    says what the previous call proposed: how many drafts it sent, and (+ 1) the first draft it
-    withheld when it sent none. Sent drafts count as accepted up to the first rejection; a
-    withheld one counts as accepted if it equals the token committed after this call's first
-    (one observation at no cost: lookup's drafts are free to make). A prompt call observes
-    nothing: the state is zero then."""
-    sent, withheld = last[:, 0], last[:, 1]  # [B]
+    """The row's decayed [accepted, rejected] draft counts per match length [B, N, 2] after this
+    call. `last` [B, 3] says what the previous call proposed: how many drafts it sent, (+ 1) the
+    first draft it withheld when it sent none, and the length n of the n-gram they followed,
+    whose counts (row n - 1) this call updates. Sent drafts count as accepted up to the first
+    rejection; a withheld one counts as accepted if it equals the token committed after this
+    call's first (one observation at no cost: lookup's drafts are free to make). A prompt call
+    observes nothing: the state is zero then."""
+    sent, withheld, length = last[:, 0], last[:, 1], last[:, 2]  # [B]
     accepted = committed - 1  # [B] this call's drafts accepted (its first token is the last bonus)
     # the token committed right after this call's first: its second token if accepted, else the bonus
     after = torch.where(accepted > 0, torch.cat([tokens, bonus], dim=1)[:, 1], bonus[:, 0])  # [B]
     hit = (withheld == after + 1).to(stats.dtype)
     good = torch.where(sent > 0, torch.minimum(accepted, sent).to(stats.dtype), hit)
     bad = torch.where(sent > 0, (accepted < sent).to(stats.dtype), 1 - hit)
-    seen = ((sent > 0) | (withheld > 0))[:, None]
-    return torch.where(seen, ADAPT_DECAY * stats + torch.stack([good, bad], dim=1), stats)
+    lengths = torch.arange(1, stats.shape[1] + 1, dtype=_I64)[None, :]  # [1, N]
+    seen = (((sent > 0) | (withheld > 0))[:, None] & (lengths == length[:, None]))[:, :, None]  # [B, N, 1]
+    return torch.where(seen, ADAPT_DECAY * stats + torch.stack([good, bad], dim=1)[:, None, :], stats)
 
 
-def _draft_count(stats, cost):  # type: ignore[no-untyped-def]
+def _draft_count(stats, cost, matched):  # type: ignore[no-untyped-def]
     """The k in 0..K [B] that maximises the expected tokens of a round per unit of its cost,
-    (1 + a + a^2 + ... + a^k) / cost[k], for each row's acceptance rate a (accepted + 1) /
-    (accepted + rejected + 2): geometric acceptance, so a draft is accepted with probability a
-    given the one before it was."""
-    rate = (stats[:, :1] + 1) / (stats.sum(dim=1, keepdim=True) + 2)  # [B, 1]
+    (1 + a + a^2 + ... + a^k) / cost[k], for each row's acceptance rate a after matches of this
+    round's length `matched` [B] (0: no match, read as length 1; no draft is sent then anyway):
+    (accepted + w p) / (accepted + rejected + w), a prior of weight w = PRIOR_WEIGHT centred on
+    the row's rate over all lengths, p = (all accepted + 1) / (all observed + 2), so that one
+    lucky round after a rare length does not send K drafts. Geometric acceptance: a draft is
+    accepted with probability a given the one before it was."""
+    row = (matched.clamp(min=1) - 1)[:, None, None].expand(-1, 1, 2)  # [B, 1, 2]
+    counts, pooled = stats.gather(1, row)[:, 0], stats.sum(dim=1)  # [B, 2] this length's, all lengths'
+    prior = (pooled[:, :1] + 1) / (pooled.sum(dim=1, keepdim=True) + 2)  # [B, 1]
+    rate = (counts[:, :1] + PRIOR_WEIGHT * prior) / (counts.sum(dim=1, keepdim=True) + PRIOR_WEIGHT)  # [B, 1]
     depth = torch.arange(1, cost.shape[0], dtype=stats.dtype)[None, :]  # [1, K]
     expected = torch.cat([torch.ones_like(rate), 1 + torch.cumsum(rate**depth, dim=1)], dim=1)  # [B, 1+K]
     return (expected / cost).argmax(dim=1)  # [B]
 
 
-def _lookup_drafts(seq: torch.Tensor, last: torch.Tensor, k: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _lookup_drafts(
+    seq: torch.Tensor, last: torch.Tensor, k: int, max_ngram: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt-lookup drafting: find the latest earlier occurrence of the longest n-gram
     (n = max_ngram..1) ending at position `last` and propose the k tokens that followed it.
 
     seq [B, L] holds valid tokens at 0..last[b]; positions past `last` are ignored. Returns the
-    drafts [B, K] and how many are real [B]: a row with no match proposes the bonus token
-    repeated (0 real), and a match near the end repeats the last token past what followed it.
+    drafts [B, K], how many are real [B] and the length n of the n-gram matched [B] (0: none): a
+    row with no match proposes the bonus token repeated (0 real), and a match near the end
+    repeats the last token past what followed it.
     """
     b, length = seq.shape
     start = torch.full_like(last, -1)  # [B] first draft's index in seq, -1 = none yet
+    matched = torch.zeros_like(last)  # [B] the n of the longest n-gram found
     for n in range(max_ngram, 0, -1):
         windows = length - n + 1
         tail_idx = torch.clamp(last[:, None] - (n - 1) + torch.arange(n, dtype=_I64)[None, :], min=0)  # [B, n]
@@ -194,8 +209,9 @@ def _lookup_drafts(seq: torch.Tensor, last: torch.Tensor, k: int, max_ngram: int
         valid = (j <= (last[:, None] - n)) & (last[:, None] >= n - 1)  # strictly earlier than the tail
         best = torch.where(hit & valid, j, torch.full_like(j, -1)).max(dim=-1).values  # [B] latest match
         found = torch.where(best >= 0, best + n, torch.full_like(best, -1))
+        matched = torch.where((start < 0) & (found >= 0), torch.full_like(matched, n), matched)
         start = torch.where(start < 0, found, start)
     idx = start[:, None] + torch.arange(k, dtype=_I64)[None, :]  # [B, K]
     idx = torch.where(start[:, None] < 0, last[:, None], torch.minimum(idx, last[:, None]))
     real = torch.where(start < 0, torch.zeros_like(start), torch.clamp(last - start + 1, max=k))  # [B]
-    return seq.gather(1, idx), real
+    return seq.gather(1, idx), real, matched

@@ -20,8 +20,6 @@ Not built (say so before measuring it against LayerSkip):
   weights in the bundle.
 - `--exit-layer auto` (choosing E from measured cost and acceptance) and Kangaroo's second,
   confidence-based early stop of the draft loop (`--adaptive` is the per-row, per-round form).
-- Known bug: `--adaptive` is exact on the tiny models, but on SmolLM2 its gated engine failed to
-  load in ONNX Runtime (docs/architecture.md, "Early exit").
 """
 
 from __future__ import annotations
