@@ -38,8 +38,9 @@ def main() -> None:
         widths: list[int] = []
         call = engine.call
 
-        def counted(io: Any, feeds: dict[str, Any], state: Any, call: Any = call) -> Any:
-            widths.append(feeds["tokens"].shape()[1] if callable(feeds["tokens"].shape) else feeds["tokens"].shape[1])
+        def counted(io: Any, feeds: dict[str, Any], state: Any, call: Any = call, widths: list[int] = widths) -> Any:
+            tokens = feeds["tokens"]  # an array, or an OrtValue bound from the last call's output
+            widths.append(tokens.shape()[1] if callable(tokens.shape) else tokens.shape[1])
             return call(io, feeds, state)
 
         engine.call = counted  # type: ignore[method-assign]
