@@ -230,16 +230,12 @@ def _with_cost(bundle, out, cost):  # type: ignore[no-untyped-def]
     import json
     import shutil
 
-    import onnx
-
     from specgraph.exporters.manifest import MANIFEST, sha256
+    from specgraph.exporters.onnx import set_initializer
 
     shutil.copytree(bundle, out)
     graph = out / "model.onnx"
-    model = onnx.load(str(graph), load_external_data=False)
-    (init,) = [t for t in model.graph.initializer if "lookup_cost" in t.name]
-    init.CopyFrom(onnx.numpy_helper.from_array(np.asarray(cost, np.float32), init.name))
-    onnx.save_model(model, str(graph))
+    set_initializer(graph, "lookup_cost", np.asarray(cost, np.float32))
     manifest = json.loads((out / MANIFEST).read_text())
     manifest["files"]["model.onnx"] = {"size": graph.stat().st_size, "sha256": sha256(graph)}
     (out / MANIFEST).write_text(json.dumps(manifest))
