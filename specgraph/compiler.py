@@ -174,70 +174,104 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
     check_blocks_fit(loaded, cfg.weights, cfg.block_size)
     _check_position_limit(loaded, cfg)
     times["load"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    built, anatomy, counts, kv_shapes = build_step_engine(loaded, cfg, say)
-    engine = built.engine
-    times["passes"] = time.perf_counter() - t0
     staging = staging_dir(out)
     try:
+        while True:
+            stage = _stage(loaded, cfg, staging, say, times)
+            if stage.finished.rebuild is None:
+                break
+            # the method measured this engine and asks for another (e.g. --num-draft auto's K)
+            cfg = dataclasses.replace(cfg, options=stage.finished.rebuild)
+            shutil.rmtree(staging)
+            staging = staging_dir(out)
+            say("rebuild")
+        finished, weights, fused = stage.finished, stage.weights, stage.fused
         t0 = time.perf_counter()
-        say("export onnx")
-        fuse = cfg.attention == "fused"
-        heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if fuse else None
-        # int8 activations: a step must round as a verify call does (`fuse_cached_attention`'s pad)
-        pad_steps = fuse and cfg.activations == "int8"
-        model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads, pad_steps)
-        fused = _fused_layers(model_proto, "past_key_")
-        counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused,
-                                           "fused_draft_runs": _fused_layers(model_proto, "draft_past_key_")}  # fmt: skip
-        times["export"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
-                                skip=built.meta.get("weights_skip"))  # fmt: skip
-        times["weights"] = time.perf_counter() - t0
-        tokenizer = _copy_tokenizer(loaded, staging)
-        inputs, outputs = engine.io_names()
-        body: dict[str, Any] = {
-            "method": cfg.method,
-            "source": {"name": loaded.name, "kind": loaded.kind, "path": source_path(cfg.model)},
-            "max_context": cfg.max_context,
-            "vocab_size": anatomy.vocab_size,
-            "eos_token_ids": loaded.eos_token_ids,
-            "tokenizer": tokenizer,
-            "sampling": _sampling_section(cfg, engine),
-            "weights": weights,
-            "anatomy": anatomy.summary(),
-            "passes": counts,
-        }
-
-        def write(finished: Finished) -> dict[str, Any]:
-            body.update({cfg.method: finished.section, "draft_depth": finished.draft_depth,
-                         "graph": _graph_section(model_proto, engine, inputs, outputs, finished.constants,
-                                                 pad_steps)})  # fmt: skip
-            return write_manifest(staging, body)
-
-        def measure(finished: Finished) -> Any:
-            from specgraph.runtime import Engine
-
-            write(finished)
-            return Engine(staging, verify=False)
-
-        t0 = time.perf_counter()
-        finished = cfg.spec.finish(staging, cfg, built, measure)
         if cfg.activations == "int8" and cfg.spec.speculative:
             say("check rows")
-            weights["rows_agree"] = _check_rows_agree(measure(finished), cfg.method)
+            weights["rows_agree"] = _check_rows_agree(stage.measure(finished), cfg.method)
             # the plain engine whose text this one reproduces: at int8 the two attention forms round differently
             weights["rows_agree"]["same_text_as"] = "none" if fused else "none --attention portable"
-        write(finished)
+        stage.write(finished)
         if time.perf_counter() - t0 > 0.5:
-            times["method"] = time.perf_counter() - t0
+            times["method"] = times.get("method", 0.0) + time.perf_counter() - t0
         replace_dir(staging, out, cfg.inputs, cfg.force)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     seconds = {k: round(v, 2) for k, v in times.items()}
-    return CompileReport(Path(cfg.output), cfg.method, anatomy.summary(), counts, seconds, finished.report, weights)
+    return CompileReport(Path(cfg.output), cfg.method, stage.anatomy.summary(), stage.counts, seconds, finished.report,
+                         weights)  # fmt: skip
+
+
+@dataclass
+class _Staged:
+    """One engine built, exported, stored and finished in the staging folder."""
+
+    anatomy: Anatomy
+    counts: dict[str, dict[str, int]]
+    weights: dict[str, Any]
+    fused: bool
+    finished: Finished
+    write: Callable[[Finished], dict[str, Any]]  # the manifest for a Finished
+    measure: Callable[[Finished], Any]  # the staged bundle loaded, after writing its manifest
+
+
+def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable[[str], None],
+           times: dict[str, float]) -> _Staged:  # fmt: skip
+    """Build the step engine for `cfg`, export it to `staging`, store its weights and run the
+    method's `finish`; `times` accumulates each stage's seconds."""
+    t0 = time.perf_counter()
+    built, anatomy, counts, kv_shapes = build_step_engine(loaded, cfg, say)
+    engine = built.engine
+    times["passes"] = times.get("passes", 0.0) + time.perf_counter() - t0
+    t0 = time.perf_counter()
+    say("export onnx")
+    fuse = cfg.attention == "fused"
+    heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if fuse else None
+    # int8 activations: a step must round as a verify call does (`fuse_cached_attention`'s pad)
+    pad_steps = fuse and cfg.activations == "int8"
+    model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads, pad_steps)
+    fused = _fused_layers(model_proto, "past_key_")
+    counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused,
+                                       "fused_draft_runs": _fused_layers(model_proto, "draft_past_key_")}  # fmt: skip
+    times["export"] = times.get("export", 0.0) + time.perf_counter() - t0
+    t0 = time.perf_counter()
+    weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
+                            skip=built.meta.get("weights_skip"))  # fmt: skip
+    times["weights"] = times.get("weights", 0.0) + time.perf_counter() - t0
+    tokenizer = _copy_tokenizer(loaded, staging)
+    inputs, outputs = engine.io_names()
+    body: dict[str, Any] = {
+        "method": cfg.method,
+        "source": {"name": loaded.name, "kind": loaded.kind, "path": source_path(cfg.model)},
+        "max_context": cfg.max_context,
+        "vocab_size": anatomy.vocab_size,
+        "eos_token_ids": loaded.eos_token_ids,
+        "tokenizer": tokenizer,
+        "sampling": _sampling_section(cfg, engine),
+        "weights": weights,
+        "anatomy": anatomy.summary(),
+        "passes": counts,
+    }
+
+    def write(finished: Finished) -> dict[str, Any]:
+        body.update({cfg.method: finished.section, "draft_depth": finished.draft_depth,
+                     "graph": _graph_section(model_proto, engine, inputs, outputs, finished.constants,
+                                             pad_steps)})  # fmt: skip
+        return write_manifest(staging, body)
+
+    def measure(finished: Finished) -> Any:
+        from specgraph.runtime import Engine
+
+        write(finished)
+        return Engine(staging, verify=False)
+
+    t0 = time.perf_counter()
+    finished = cfg.spec.finish(staging, cfg, built, measure)
+    if time.perf_counter() - t0 > 0.5:
+        times["method"] = times.get("method", 0.0) + time.perf_counter() - t0
+    return _Staged(anatomy, counts, weights, fuse and fused > 0, finished, write, measure)
 
 
 def _check_rows_agree(engine: Any, method: str) -> dict[str, Any]:

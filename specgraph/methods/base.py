@@ -43,6 +43,16 @@ class Options:
         return True
 
 
+def count_or_auto(text: str) -> int | str:
+    """`--num-draft`'s type: a whole number, or `auto` (the methods that measure K themselves)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
 @dataclass
 class Built:
     """What `Method.build` returns: the step engine to export, and anything `finish` needs."""
@@ -58,13 +68,16 @@ class Finished:
     section: the manifest's `<method name>` entry (None when the method has no settings);
     constants: engine inputs every host binds unchanged on every call (`graph.constants`);
     draft_depth: the most draft tokens one round verifies (0 = plain decoding);
-    report: what `specgraph compile` prints about the method.
+    report: what `specgraph compile` prints about the method;
+    rebuild: options to build the engine again with (e.g. a K the staged engine measured best);
+    the compiler then discards this engine and builds, exports and finishes another.
     """
 
     section: dict[str, Any] | None = None
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     draft_depth: int = 0
     report: dict[str, Any] | None = None
+    rebuild: Options | None = None
 
 
 class Method:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,7 +46,7 @@ import torch
 
 from specgraph import draft_vocab, sampling
 from specgraph.errors import InputError
-from specgraph.methods.base import Built, Finished, Measure, Method, Options
+from specgraph.methods.base import Built, Finished, Measure, Method, Options, count_or_auto
 from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
 
 _I64 = torch.int64
@@ -54,22 +55,63 @@ _PREFIX = "draft_"  # the draft's module attribute, its cache names and its init
 ADAPT_STATE = ("draft_score", "draft_idle")  # `--adaptive`: per-row acceptance score, rounds without drafting
 ADAPT_DECAY = 0.75  # weight of a row's past rounds in its score
 PROBE_EVERY = 8  # rounds without drafting after which a row drafts one round again
+AUTO_MAX_DRAFT = 4  # --num-draft auto: the longest round it considers (the first build's K)
+AUTO_PROMPTS = "chat"  # --num-draft auto: the prompt sets acceptance is measured on by default
+AUTO_LIMIT, AUTO_TOKENS = 6, 48  # --num-draft auto: prompts per set, and new tokens per prompt
 
 
 @dataclass(frozen=True)
-class DraftOptions(Options):
+class DrafterOptions(Options):
+    """The options of every method whose drafter is a network run K times (draft, eagle,
+    early-exit): K or `auto`, and the run-time adaptation. Subclasses set `method` and may
+    redeclare `num_draft` with their own default."""
+
+    method: ClassVar[str] = ""
+    num_draft: int | str = 4  # K: draft tokens per round, or "auto" (measured at compile time, `auto_draft`)
+    adaptive: bool = False  # draft only while it pays, per row (`ModelDrafts._adapt`)
+    adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
+    auto_prompts: str = AUTO_PROMPTS  # --num-draft auto: the prompt sets its acceptance is measured on
+    # --num-draft auto, second build: what the first measured (not a flag; the manifest's `auto`)
+    auto_report: dict[str, Any] | None = field(default=None, compare=False)
+
+    def check(self) -> None:
+        if self.num_draft == "auto":
+            if self.adaptive_threshold is not None and not self.adaptive:
+                raise InputError("--adaptive-threshold needs --adaptive")
+        elif isinstance(self.num_draft, int) and not isinstance(self.num_draft, bool):
+            check_adaptive(self.adaptive, self.adaptive_threshold, self.num_draft)
+            if not 1 <= self.num_draft <= 16:
+                raise InputError(f"--num-draft must be between 1 and 16 or auto for --method {self.method}, "
+                                 f"got {self.num_draft}")  # fmt: skip
+        else:
+            raise InputError(f"--num-draft must be a number from 1 to 16 or auto, got {self.num_draft!r}")
+        if not self.auto_prompts.strip(" ,"):
+            raise InputError("--auto-prompts needs at least one prompt set")
+
+    @property
+    def draft_count(self) -> int:
+        """K of the engine to build: `auto` first builds the longest it considers, and measures."""
+        return AUTO_MAX_DRAFT if self.num_draft == "auto" else int(self.num_draft)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the engine has the adaptive gate (`auto` measures a round without drafts with it)."""
+        return self.adaptive or self.num_draft == "auto"
+
+    def files(self) -> list[str | Path | None]:
+        return [path for path in self.auto_prompts.split(",") if path.endswith((".jsonl", ".jsonl.gz"))]
+
+
+@dataclass(frozen=True)
+class DraftOptions(DrafterOptions):
+    method: ClassVar[str] = "draft"
     draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
-    num_draft: int = 4  # K: draft tokens per round
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
     draft_vocab: int | None = None  # tokens the draft's readout scores; None or 0: all of them
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
-    adaptive: bool = False  # draft only while it pays, per row (`ModelDrafts._adapt`)
-    adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
 
     def check(self) -> None:
-        check_adaptive(self.adaptive, self.adaptive_threshold, self.num_draft)
-        if not 1 <= self.num_draft <= 16:
-            raise InputError(f"--num-draft must be between 1 and 16 for --method draft, got {self.num_draft}")
+        super().check()
         if self.draft_block_size not in (16, 32, 64, 128, 256):
             raise InputError(f"--draft-block-size must be one of 16, 32, 64, 128, 256, got {self.draft_block_size}")
         if self.draft.startswith("self:") and self.draft not in SELF:
@@ -81,7 +123,7 @@ class DraftOptions(Options):
                              f"{DEFAULT_MODEL}, self:int4 or self:int8)")  # fmt: skip
 
     def files(self) -> list[str | Path | None]:
-        files: list[str | Path | None] = [self.draft_vocab_file]
+        files: list[str | Path | None] = [*super().files(), self.draft_vocab_file]
         return files + ([] if self.draft in SELF else [self.draft])
 
 
@@ -263,12 +305,12 @@ class DraftMethod(Method):
         opts: DraftOptions = cfg.opts
         engine = built.engine
         assert isinstance(engine, DraftStepEngine)
-        section: dict[str, Any] = {"draft": opts.draft, "num_draft": opts.num_draft, "weights": "float32"}
+        section: dict[str, Any] = {"draft": opts.draft, "num_draft": engine.num_draft, "weights": "float32"}
         bits = SELF.get(opts.draft)
         if bits is not None:
             section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size)
-        summary = f"draft {opts.draft}, {opts.num_draft} tokens per round"
-        return finish_drafts(staging, engine, section, summary, opts.adaptive_threshold, measure)
+        summary = f"draft {opts.draft}, {engine.num_draft} tokens per round"
+        return finish_drafts(staging, engine, section, summary, opts, measure)
 
 
 def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, default_vocab: int) -> Drafter:
@@ -307,8 +349,8 @@ def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, d
 def build_draft_engine(gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Drafter, window: int | None) -> Built:
     """The DraftStepEngine around the target graph `gm`, with `cfg.opts`' `num_draft` and `adaptive`."""
     engine = DraftStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
-                             cfg.engine_samples, drafter=drafter, num_draft=cfg.opts.num_draft,
-                             vocab_size=anatomy.vocab_size, adaptive=cfg.opts.adaptive)  # fmt: skip
+                             cfg.engine_samples, drafter=drafter, num_draft=cfg.opts.draft_count,
+                             vocab_size=anatomy.vocab_size, adaptive=cfg.opts.gated)  # fmt: skip
     # the target's weights follow --weights; the draft's are its own (quantised in `finish`)
     return Built(engine, {"weights_skip": "draft_gm.", "trained": drafter.trained})
 
@@ -325,24 +367,95 @@ def shipped_file(given: str | None, shipped: dict[str, str], fingerprint: str | 
 
 
 def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], summary: str,
-                  threshold: float | None, measure: Measure) -> Finished:  # fmt: skip
-    """The end of a ModelDrafts method's `finish`: the reduced vocabulary's id map and, with
-    `--adaptive`, the gated drafter and its threshold, added to the manifest section and summary."""
+                  opts: DrafterOptions, measure: Measure) -> Finished:  # fmt: skip
+    """The end of a ModelDrafts method's `finish`: the reduced vocabulary's id map; with
+    `--num-draft auto` the measured choice of K (the first build only measures: `auto_draft`);
+    with `--adaptive`, the gated drafter and its threshold; all added to the manifest section
+    and the summary."""
     if engine.vocab_ids is not None:
         section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
         summary += f", draft vocabulary {engine.vocab_info['size']} of {engine.vocab_info['of']} tokens"
+    if opts.num_draft == "auto":
+        return auto_draft(staging, engine, section, opts, measure)
+    if opts.auto_report is not None:
+        section["auto"] = opts.auto_report
+        summary += f" (--num-draft auto: {opts.auto_report['predicted_speedup']:.2f}x `none` predicted)"
+        if opts.auto_report["predicted_speedup"] < 1:
+            summary += "; drafting does not pay at any K on these prompts here"
     if engine.adaptive:
         placeholder = Finished(section, draft_depth=engine.num_draft)
-        section["adaptive"] = finish_adaptive(staging, engine, placeholder, measure, threshold)
+        section["adaptive"] = finish_adaptive(staging, engine, placeholder, measure, opts.adaptive_threshold)
         summary += f", adaptive (drafts while a round accepts {section['adaptive']['threshold']:.2f}+ drafts)"
     return Finished(section, draft_depth=engine.num_draft, report={**section, "summary": summary})
+
+
+def auto_draft(staging: Path, engine: ModelDrafts, section: dict[str, Any], opts: DrafterOptions,
+               measure: Measure) -> Finished:  # fmt: skip
+    """`--num-draft auto`, the first build (K = AUTO_MAX_DRAFT, gated, its threshold 0 so every
+    row drafts every round): generate `opts.auto_prompts` greedily for the acceptance by depth,
+    time a call verifying n = 1..K+1 tokens with the drafter and one without it, and ask the
+    compiler to build again with the K that `choose_draft_count` predicts fastest."""
+    from specgraph.bench import acceptance_by_depth, prompt_ids
+    from specgraph.timing import time_call
+
+    placeholder = Finished(section, draft_depth=engine.num_draft)
+    _gate(staging, engine)
+    live = measure(placeholder)
+    counts: list[int] = []
+    for name in [n.strip() for n in opts.auto_prompts.split(",") if n.strip()]:
+        for ids in prompt_ids(name, AUTO_LIMIT, live, chat=True):
+            counts += live.generate(ids, AUTO_TOKENS).accepted_per_step
+    k, at = engine.num_draft, min(128, engine.max_context - engine.num_draft - 2)
+    rounds: dict[int, list[float]] = {n: [] for n in range(1, k + 2)}
+    idle = []
+    for _ in range(3):  # interleaved
+        for n in rounds:
+            rounds[n].append(time_call(live, n, at, repeats=5))
+        idle.append(time_call(live, 1, at, repeats=5, fill={"draft_score": -1e9}))
+    report = choose_draft_count(acceptance_by_depth(counts, k), {n: float(np.median(t)) for n, t in rounds.items()},
+                                float(np.median(idle)), k)  # fmt: skip
+    report.update(prompts=opts.auto_prompts, rounds=len(counts))
+    rebuild = dataclasses.replace(opts, num_draft=report["chosen"], auto_report=report)
+    return Finished(section, draft_depth=engine.num_draft, rebuild=rebuild)
+
+
+def choose_draft_count(acceptance: list[float], rounds: dict[int, float], idle: float, longest: int) -> dict[str, Any]:
+    """The K in 1..longest with the highest predicted speed-up over plain decoding.
+
+    acceptance: the rate at each depth given the one before (measured at K = longest);
+    rounds: seconds of a call verifying n tokens (n = 1..longest+1) with all `longest` draft
+    runs; idle: seconds of a call without the drafter (a plain step). A draft run costs
+    (rounds[1] - idle) / longest, so a K-draft round costs rounds[K+1] less the longest - K runs
+    it would not make, and returns tau(K) = 1 + a_1 + a_1 a_2 + ... + a_1..a_K tokens:
+    speed-up(K) = tau(K) * idle / round(K)."""
+    per_run = max(rounds[1] - idle, 0.0) / longest
+    table = []
+    for k in range(1, longest + 1):
+        reach, tau = 1.0, 1.0
+        for rate in acceptance[:k]:
+            reach *= rate
+            tau += reach
+        cost = rounds[k + 1] - (longest - k) * per_run
+        table.append({"k": k, "tau": round(tau, 4), "round_ms": round(cost * 1e3, 3),
+                      "speedup": round(tau * idle / cost, 4)})  # fmt: skip
+    best = max(table, key=lambda row: row["speedup"])
+    return {"chosen": best["k"], "predicted_speedup": best["speedup"], "acceptance_by_depth": acceptance,
+            "idle_ms": round(idle * 1e3, 3), "draft_run_ms": round(per_run * 1e3, 3), "table": table}  # fmt: skip
 
 
 def add_drafting_flags(group: Any) -> None:
     """The flags of every method whose drafter is a network run K times (draft, eagle,
     early-exit): --num-draft, --adaptive and the reduced draft vocabulary's."""
     group.add_argument(
-        "--num-draft", type=int, help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2; early-exit: 3)"
+        "--num-draft", type=count_or_auto,
+        help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2; early-exit: 3), or auto (draft, eagle, "
+        "early-exit): build with 4, generate --auto-prompts and time the engine, then build again with the K predicted "
+        "fastest (about twice the compile time)",
+    )  # fmt: skip
+    group.add_argument(
+        "--auto-prompts",
+        help=f"draft, eagle, early-exit with --num-draft auto: the prompt sets (names or .jsonl files, comma-separated) "
+        f"whose acceptance chooses K, {AUTO_LIMIT} prompts of each, {AUTO_TOKENS} new tokens (default {AUTO_PROMPTS})",
     )
     add_adaptive_flag(group)
     draft_vocab.add_flags(group)
@@ -377,14 +490,11 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     and one without at context 128, and set the threshold (unless given): the accepted drafts per
     round at which drafting pays for itself (round time / idle time - 1). Returns the manifest's
     description."""
-    from specgraph.exporters.gate import gate_drafter
     from specgraph.exporters.onnx import set_initializer
     from specgraph.timing import time_call
 
     path = staging / "model.onnx"
-    state = [o for o in engine.draft_outputs if not o.startswith(ADAPT_STATE) and o != "n_draft"]
-    passthrough = {o: o.replace("present", "past").removesuffix("_out") for o in state}
-    moved = gate_drafter(path, ["next_tokens", *state], passthrough, count="n_draft", tokens="next_tokens")
+    moved = _gate(staging, engine)
     live = measure(placeholder)
     k, at = engine.num_draft, min(128, engine.max_context - engine.num_draft - 2)
     drafting, idle = [], []
@@ -397,6 +507,17 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     set_initializer(path, "draft_threshold", np.array([threshold], np.float32))
     return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "round_ms": round(round_s * 1e3, 2),
             "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "gated_nodes": moved}  # fmt: skip
+
+
+def _gate(staging: Path, engine: ModelDrafts) -> int:
+    """Put the staged engine's drafter in the `If` that skips it (exporters/gate.py); returns
+    how many nodes moved."""
+    from specgraph.exporters.gate import gate_drafter
+
+    state = [o for o in engine.draft_outputs if not o.startswith(ADAPT_STATE) and o != "n_draft"]
+    passthrough = {o: o.replace("present", "past").removesuffix("_out") for o in state}
+    return gate_drafter(staging / "model.onnx", ["next_tokens", *state], passthrough, count="n_draft",
+                        tokens="next_tokens")  # fmt: skip
 
 
 def quantise_drafter(staging: Path, bits: int, block_size: int) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from specgraph.errors import InputError
-from specgraph.methods.base import Built, Finished, Measure, Method, Options
+from specgraph.methods.base import Built, Finished, Measure, Method, Options, count_or_auto
 from specgraph.methods.draft import add_adaptive_flag
 from specgraph.step import StepEngine
 
@@ -45,6 +45,9 @@ class LookupOptions(Options):
     adaptive: bool = True  # per row, send only as many drafts as pay for their verification (`_draft_count`)
 
     def check(self) -> None:
+        if not isinstance(self.num_draft, int):  # `--num-draft auto`
+            raise InputError("--num-draft auto is for draft, eagle and early-exit: lookup already chooses how many "
+                             "drafts to send each round from its measured verify cost (--adaptive, its default)")  # fmt: skip
         if not 1 <= self.num_draft <= 64:
             raise InputError(f"--num-draft must be between 1 and 64, got {self.num_draft}")
         if not 1 <= self.max_ngram <= 8:
@@ -91,9 +94,11 @@ class LookupMethod(Method):
     def add_flags(self, group: Any) -> None:
         group.add_argument(
             "--num-draft",
-            type=int,
+            type=count_or_auto,
             default=7,
-            help="draft tokens verified per step (lookup: default 7; draft: default 4; eagle: default 2; early-exit: default 3)",
+            help="draft tokens verified per step (lookup: default 7; draft: default 4; eagle: default 2; early-exit: "
+            "default 3). draft, eagle, early-exit also take auto: build with 4, generate --auto-prompts and time the "
+            "engine, then build again with the K predicted fastest (about twice the compile time)",
         )
         group.add_argument(
             "--max-ngram", type=int, default=3, help="lookup: longest n-gram matched in the context (default 3)"

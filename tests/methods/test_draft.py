@@ -3,10 +3,13 @@ tokens inside the engine call; the output must be exactly the target's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.errors import InputError
+from specgraph.methods.draft import choose_draft_count
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
 from tests.models.tiny import build, save
@@ -195,3 +198,55 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(tin
         q = out["draft_q_out"].numpy()[0]  # [K, V]; a greedy row carries q = 0 (the rule ignores it)
         assert np.allclose(q.sum(-1), 0 if params is None else 1, atol=1e-5)
         assert not q[:, np.setdiff1d(np.arange(q.shape[1]), ids)].any()
+
+
+def test_num_draft_auto_measures_then_builds_the_k_it_predicts_fastest(tiny_folder, tmp_path):
+    """`--num-draft auto`: the first build (K = 4, gated) generates the calibration prompts and
+    times the engine; the bundle is then built again with the K of the best predicted speed-up,
+    and it is still exactly the target."""
+    prompts = tmp_path / "calibration.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "auto"
+    cfg = CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, weights="fp32", draft="self:int8",
+                           num_draft="auto", auto_prompts=str(prompts))  # fmt: skip
+    report = compile_model(cfg)
+    engine = Engine(out)
+    section = engine.manifest["draft"]
+    auto, k = section["auto"], section["num_draft"]
+    assert [row["k"] for row in auto["table"]] == [1, 2, 3, 4]
+    assert auto["chosen"] == k == max(auto["table"], key=lambda row: row["speedup"])["k"]
+    assert engine.manifest["draft_depth"] == k and "adaptive" not in section  # the gate was for measuring only
+    assert auto["rounds"] > 0 and all(0 <= a <= 1 for a in auto["acceptance_by_depth"])
+    assert "--num-draft auto" in report.details["summary"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["auto", "calibration.jsonl"]  # no staging left behind
+    model = build("llama")
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+
+
+def test_choose_draft_count_weighs_acceptance_against_the_measured_round():
+    ms = 1e-3
+    rounds = {1: 30 * ms, 2: 31 * ms, 3: 32 * ms, 4: 33 * ms, 5: 34 * ms}  # every call runs 4 draft runs of 5 ms
+    report = choose_draft_count([0.9, 0.8, 0.5, 0.2], rounds, 10 * ms, 4)
+    costs = [row["round_ms"] for row in report["table"]]
+    assert costs == pytest.approx([16, 22, 28, 34]) and report["draft_run_ms"] == pytest.approx(5)
+    assert [row["tau"] for row in report["table"]] == pytest.approx([1.9, 2.62, 2.98, 3.052])
+    assert report["chosen"] == 2 and report["predicted_speedup"] == pytest.approx(2.62 * 10 / 22, abs=1e-4)
+    # a drafter that does not pay anywhere: the cheapest loss is kept, and reported below 1
+    poor = choose_draft_count([0.1, 0.1, 0.1, 0.1], rounds, 10 * ms, 4)
+    assert poor["chosen"] == 1 and poor["predicted_speedup"] < 1
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "message"),
+    [
+        ("lookup", {"num_draft": "auto"}, "--num-draft auto is for draft, eagle and early-exit"),
+        ("draft", {"num_draft": "many"}, "--num-draft must be a number from 1 to 16 or auto"),
+        ("draft", {"num_draft": "auto", "auto_prompts": " , "}, "--auto-prompts needs at least one prompt set"),
+        ("draft", {"num_draft": "auto", "adaptive_threshold": 1.0}, "--adaptive-threshold needs --adaptive"),
+    ],
+)
+def test_bad_draft_counts_are_refused(tiny_folder, tmp_path, method, options, message):
+    with pytest.raises(InputError, match=message):
+        CompileConfig.of(tiny_folder("llama"), tmp_path / "b", method, **options).check()

@@ -22,17 +22,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from specgraph import draft_vocab
 from specgraph.errors import InputError
-from specgraph.methods.base import Built, Finished, Measure, Method, Options
+from specgraph.methods.base import Built, Finished, Measure, Method
 from specgraph.methods.draft import (
+    DrafterOptions,
     ModelDrafts,
     add_drafting_flags,
-    check_adaptive,
     finish_drafts,
     quantise_drafter,
     shipped_file,
@@ -51,25 +51,22 @@ DRAFTER_BLOCK = 32  # weights per block of the drafter's matrices
 
 
 @dataclass(frozen=True)
-class EagleOptions(Options):
+class EagleOptions(DrafterOptions):
+    method: ClassVar[str] = "eagle"
     eagle: str | None = None  # a drafter file from `specgraph train --method eagle`; default: the shipped one
-    num_draft: int = 2  # K: draft tokens per round (2 measured best for the shipped drafter, docs/benchmarks.md)
+    num_draft: int | str = 2  # K (2 measured best for the shipped drafter, docs/benchmarks.md), or "auto"
     draft_vocab: int | None = None  # tokens the readout scores; None: DRAFT_VOCAB with a ranking; 0: all
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
     eagle_weights: str = "int8"  # the drafter's matrices: int8 or int4 blocks (int8 activations), or fp32
-    adaptive: bool = False  # draft only while it pays, per row (methods/draft.py `_adapt`)
-    adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
 
     def check(self) -> None:
-        check_adaptive(self.adaptive, self.adaptive_threshold, self.num_draft)
+        super().check()
         if self.eagle_weights not in DRAFTER_WEIGHTS:
             raise InputError(f"--eagle-weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {self.eagle_weights!r}")
-        if not 1 <= self.num_draft <= 16:
-            raise InputError(f"--num-draft must be between 1 and 16 for --method eagle, got {self.num_draft}")
         draft_vocab.check_option(self.draft_vocab)
 
     def files(self) -> list[str | Path | None]:
-        return [self.eagle, self.draft_vocab_file]
+        return [*super().files(), self.eagle, self.draft_vocab_file]
 
 
 def add_feature_output(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -181,8 +178,8 @@ class EagleMethod(Method):
         assert isinstance(head, torch.fx.Node) and isinstance(embed, torch.fx.Node)
         engine = EagleStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
                                  cfg.engine_samples, drafter=drafter, embed_weight=str(embed.target),
-                                 lm_head_weight=str(head.target), num_draft=cfg.opts.num_draft,
-                                 vocab_size=anatomy.vocab_size, adaptive=cfg.opts.adaptive)  # fmt: skip
+                                 lm_head_weight=str(head.target), num_draft=cfg.opts.draft_count,
+                                 vocab_size=anatomy.vocab_size, adaptive=cfg.opts.gated)  # fmt: skip
         # the target's weights follow --weights; the drafter's follow --eagle-weights (in `finish`)
         return Built(engine, {"weights_skip": "draft_gm."})
 
@@ -190,15 +187,15 @@ class EagleMethod(Method):
         engine = built.engine
         assert isinstance(engine, EagleStepEngine)
         meta = engine.draft_gm.meta
-        section: dict[str, Any] = {"num_draft": cfg.opts.num_draft, "drafter": cfg.opts.eagle or "shipped",
+        section: dict[str, Any] = {"num_draft": engine.num_draft, "drafter": cfg.opts.eagle or "shipped",
                                    "weights": "float32"}  # fmt: skip
         bits = DRAFTER_WEIGHTS[cfg.opts.eagle_weights]
         if bits is not None:
             section["weights"] = quantise_drafter(staging, bits, DRAFTER_BLOCK)
         section["trained"] = {k: meta[k] for k in ("model", "acceptance", "expected_tokens", "train_tokens",
                                                    "command") if k in meta}  # fmt: skip
-        summary = f"EAGLE drafter, {cfg.opts.num_draft} tokens per round"
-        return finish_drafts(staging, engine, section, summary, cfg.opts.adaptive_threshold, measure)
+        summary = f"EAGLE drafter, {engine.num_draft} tokens per round"
+        return finish_drafts(staging, engine, section, summary, cfg.opts, measure)
 
 
 def add_corpus_flags(group: argparse._ArgumentGroup) -> None:

@@ -28,16 +28,16 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from specgraph import draft_vocab
 from specgraph.errors import InputError
-from specgraph.methods.base import Built, Finished, Measure, Options
+from specgraph.methods.base import Built, Finished, Measure
 from specgraph.methods.draft import (
+    DrafterOptions,
     DraftMethod,
     DraftStepEngine,
     add_drafting_flags,
-    check_adaptive,
     finish_drafts,
     model_drafter,
     quantise_drafter,
@@ -53,20 +53,17 @@ DRAFTER_BLOCK = 32  # weights per block of the drafter's matrices
 
 
 @dataclass(frozen=True)
-class EarlyExitOptions(Options):
+class EarlyExitOptions(DrafterOptions):
+    method: ClassVar[str] = "early-exit"
     exit_layer: int | None = None  # E: the drafter runs the target's layers 1..E; None: the adapter file's
     exit_adapter: str | None = None  # an adapter from `specgraph train --method early-exit`; default: the shipped one
-    num_draft: int = 3  # K: draft tokens per round
+    num_draft: int | str = 3  # K: draft tokens per round, or "auto"
     exit_weights: str = "fp32"  # the drafter's matrices: fp32, or int8 / int4 blocks with int8 activations
     draft_vocab: int | None = None  # tokens the readout scores; None: DRAFT_VOCAB with a ranking; 0: all
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
-    adaptive: bool = False  # draft only while it pays, per row (methods/draft.py `_adapt`)
-    adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
 
     def check(self) -> None:
-        check_adaptive(self.adaptive, self.adaptive_threshold, self.num_draft)
-        if not 1 <= self.num_draft <= 16:
-            raise InputError(f"--num-draft must be between 1 and 16 for --method early-exit, got {self.num_draft}")
+        super().check()
         if self.exit_weights not in DRAFTER_WEIGHTS:
             raise InputError(f"--exit-weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {self.exit_weights!r}")
         if self.exit_layer is not None and self.exit_layer < 1:
@@ -75,7 +72,7 @@ class EarlyExitOptions(Options):
         draft_vocab.check_option(self.draft_vocab)
 
     def files(self) -> list[str | Path | None]:
-        return [self.exit_adapter, self.draft_vocab_file]
+        return [*super().files(), self.exit_adapter, self.draft_vocab_file]
 
 
 class EarlyExitMethod(DraftMethod):
@@ -148,14 +145,14 @@ class EarlyExitMethod(DraftMethod):
         assert isinstance(engine, DraftStepEngine)
         trained = dict(built.meta["trained"])
         exit_layer, of = trained.pop("exit_layer"), trained.pop("of")
-        section: dict[str, Any] = {"exit_layer": exit_layer, "num_layers": of, "num_draft": opts.num_draft,
+        section: dict[str, Any] = {"exit_layer": exit_layer, "num_layers": of, "num_draft": engine.num_draft,
                                    "adapter": opts.exit_adapter or "shipped", "weights": "float32",
                                    "layer_reuse": False, "trained": trained}  # fmt: skip
         bits = DRAFTER_WEIGHTS[opts.exit_weights]
         if bits is not None:
             section["weights"] = quantise_drafter(staging, bits, DRAFTER_BLOCK)
-        summary = f"early exit after layer {exit_layer} of {of} + adapter, {opts.num_draft} tokens per round"
-        return finish_drafts(staging, engine, section, summary, opts.adaptive_threshold, measure)
+        summary = f"early exit after layer {exit_layer} of {of} + adapter, {engine.num_draft} tokens per round"
+        return finish_drafts(staging, engine, section, summary, opts, measure)
 
 
 EARLY_EXIT = EarlyExitMethod()
