@@ -309,7 +309,7 @@ class DraftMethod(Method):
         bits = SELF.get(opts.draft)
         if bits is not None:
             section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size)
-        summary = f"draft {opts.draft}, {engine.num_draft} tokens per round"
+        summary = f"draft {opts.draft}, {per_round(engine.num_draft)}"
         return finish_drafts(staging, engine, section, summary, opts, measure)
 
 
@@ -364,6 +364,10 @@ def shipped_file(given: str | None, shipped: dict[str, str], fingerprint: str | 
     if name is None:
         raise InputError(missing)
     return str(Path(__file__).resolve().parents[1] / "data" / "heads" / name)
+
+
+def per_round(k: int) -> str:
+    return f"{k} draft{'s' if k > 1 else ''} per round"
 
 
 def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], summary: str,

@@ -34,6 +34,7 @@ from specgraph.methods.draft import (
     ModelDrafts,
     add_drafting_flags,
     finish_drafts,
+    per_round,
     quantise_drafter,
     shipped_file,
 )
@@ -194,7 +195,7 @@ class EagleMethod(Method):
             section["weights"] = quantise_drafter(staging, bits, DRAFTER_BLOCK)
         section["trained"] = {k: meta[k] for k in ("model", "acceptance", "expected_tokens", "train_tokens",
                                                    "command") if k in meta}  # fmt: skip
-        summary = f"EAGLE drafter, {engine.num_draft} tokens per round"
+        summary = f"EAGLE drafter, {per_round(engine.num_draft)}"
         return finish_drafts(staging, engine, section, summary, cfg.opts, measure)
 
 

@@ -40,6 +40,7 @@ from specgraph.methods.draft import (
     add_drafting_flags,
     finish_drafts,
     model_drafter,
+    per_round,
     quantise_drafter,
     shipped_file,
 )
@@ -151,7 +152,7 @@ class EarlyExitMethod(DraftMethod):
         bits = DRAFTER_WEIGHTS[opts.exit_weights]
         if bits is not None:
             section["weights"] = quantise_drafter(staging, bits, DRAFTER_BLOCK)
-        summary = f"early exit after layer {exit_layer} of {of} + adapter, {engine.num_draft} tokens per round"
+        summary = f"early exit after layer {exit_layer} of {of} + adapter, {per_round(engine.num_draft)}"
         return finish_drafts(staging, engine, section, summary, opts, measure)
 
 
