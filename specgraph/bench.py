@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -38,7 +39,7 @@ from specgraph.errors import InputError, ModelLoadError
 from specgraph.peers import Decoder, llama_cpp_decoder
 from specgraph.runtime import Engine, GenerationResult
 from specgraph.sampling import SamplingParams
-from specgraph.timing import interleaved_ms, verify_cost_curve
+from specgraph.timing import interleaved_ms, time_call, verify_cost_curve
 
 SHIPPED_SETS = ("chat", "creative", "repeat")
 _DATA = Path(__file__).with_name("data")
@@ -383,6 +384,9 @@ def run_bench(
         result.setdefault("baseline", {}).update(_llama_cpp_section(peer_head, runs, peer_runs, params))
     if ref is not None:
         result["reference"] = _compare(ref, runnable, runs, ref_runs, result["per_prompt"])
+        if engine.draft_depth > 0:
+            _say(progress, "timing one round against the reference's verify of as many tokens")
+            result["round"] = round_split(engine, ref)
     # the whole run's peak, and the peak with only our engines loaded and warmed up
     result["environment"].update(peak_rss_mb=_peak_rss_mb(), peak_rss_mb_engines=rss_engines)
     return result
@@ -652,6 +656,23 @@ def _compare(
     }
 
 
+def round_split(engine: Engine, ref: Engine, cache_len: int = 128, rounds: int = 3) -> dict[str, Any]:
+    """What one round of a speculative engine costs and how much of it is drafting: a call at its
+    full width (the `next_tokens` its prefill returns) against the reference (a `none` bundle)
+    verifying as many tokens, both at context `cache_len`, interleaved; medians."""
+    width = int(engine.call(engine.session.io_binding(), engine.first_feeds(np.zeros((1, 2), np.int64), 2, 0),
+                            engine.new_state(1))["next_tokens"].shape()[1])  # fmt: skip
+    cache_len = min(cache_len, engine.max_context - width - engine.extra_slots, ref.max_context - width)
+    mine, verify = [], []
+    for _ in range(rounds):
+        mine.append(time_call(engine, width, cache_len, repeats=5))
+        verify.append(time_call(ref, width, cache_len, repeats=5))
+    round_s, verify_s = statistics.median(mine), statistics.median(verify)
+    return {"draft_depth": engine.draft_depth, "call_tokens": width, "cache_len": cache_len,
+            "round_ms": round(round_s * 1e3, 3), "verify_ms": round(verify_s * 1e3, 3),
+            "drafting_share": round(max(0.0, 1 - verify_s / round_s), 4)}  # fmt: skip
+
+
 def _rounded(section: dict[str, Any]) -> dict[str, Any]:
     """Milliseconds and ratios to 4 decimals, for a readable JSON report."""
     return {k: {n: round(v, 4) for n, v in val.items()} if isinstance(val, dict) else val for k, val in section.items()}
@@ -712,6 +733,13 @@ def format_report(result: dict[str, Any]) -> str:
             f"speed-up {_num(ref['speedup_median_of_ratios'], '.2f')}x (median of ratios), "
             f"{_num(ref['speedup_ratio_of_medians'], '.2f')}x (ratio of medians)  |  identical outputs: {same}",
         ]
+    if "round" in result:
+        r = result["round"]
+        lines.append(
+            f"round: up to {r['draft_depth']} draft{'s' if r['draft_depth'] != 1 else ''}, a {r['call_tokens']}-token call {r['round_ms']:.1f} ms; the reference "
+            f"verifies {r['call_tokens']} tokens in {r['verify_ms']:.1f} ms, so drafting is {r['drafting_share']:.0%} of the "
+            f"round (context {r['cache_len']})"
+        )
     return "\n".join(lines)
 
 

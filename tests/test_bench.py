@@ -218,6 +218,11 @@ def test_run_bench_lookup_against_reference_is_lossless(tiny_bundle, ids_file):
     assert result["per_prompt"][0]["mean_accepted"] > 1.0  # the repetitive prompt gets drafts accepted
     assert all("speedup" in row and "reference_tokens_per_s" in row for row in result["per_prompt"])
     assert "identical outputs: yes" in format_report(result)
+    # one round at the engine's full width against the reference verifying as many tokens
+    split = result["round"]
+    assert split["call_tokens"] == split["draft_depth"] + 1 > 2  # the whole chain: the bonus and K drafts
+    assert split["round_ms"] > 0 and split["verify_ms"] > 0 and 0 <= split["drafting_share"] < 1
+    assert "drafting is" in format_report(result)
 
 
 def test_run_bench_samples_with_the_same_seeds_in_both_engines(tiny_bundle, ids_file):
