@@ -61,7 +61,7 @@ def read_prompts(path_or_name: str, limit: int | None = None) -> list[str]:
     return [record["prompt"] for record, _ in records]
 
 
-def _resolve_prompt_file(path_or_name: str) -> Path:
+def prompt_file(path_or_name: str) -> Path:
     """A prompt set's name or path as the file to read."""
     if path_or_name in SHIPPED_SETS:
         return _DATA / f"{path_or_name}.jsonl"
@@ -76,7 +76,7 @@ def _resolve_prompt_file(path_or_name: str) -> Path:
 
 def bench_inputs(bundle: str | Path, prompt_sets: list[str], reference: str | Path | None = None) -> list[Path]:
     """What a bench run reads (the bundles and prompt files), which its outputs must never touch."""
-    return [Path(bundle), *([Path(reference)] if reference else []), *map(_resolve_prompt_file, prompt_sets)]
+    return [Path(bundle), *([Path(reference)] if reference else []), *map(prompt_file, prompt_sets)]
 
 
 def _humaneval_file() -> Path:
@@ -93,7 +93,7 @@ def _read_records(path_or_name: str, limit: int | None) -> list[tuple[dict[str, 
     """Each non-blank line of a prompt file as a JSON object, with where it came from."""
     if limit is not None and limit < 1:
         raise InputError(f"--limit must be at least 1, got {limit}")
-    file = _resolve_prompt_file(path_or_name)
+    file = prompt_file(path_or_name)
     opener = gzip.open if file.suffix == ".gz" else open
     records: list[tuple[dict[str, Any], tuple[Path, int]]] = []
     try:

@@ -76,8 +76,7 @@ class DrafterOptions(Options):
 
     def check(self) -> None:
         if self.num_draft == "auto":
-            if self.adaptive_threshold is not None and not self.adaptive:
-                raise InputError("--adaptive-threshold needs --adaptive")
+            check_adaptive(self.adaptive, self.adaptive_threshold, AUTO_MAX_DRAFT)
         elif isinstance(self.num_draft, int) and not isinstance(self.num_draft, bool):
             check_adaptive(self.adaptive, self.adaptive_threshold, self.num_draft)
             if not 1 <= self.num_draft <= 16:
@@ -87,6 +86,15 @@ class DrafterOptions(Options):
             raise InputError(f"--num-draft must be a number from 1 to 16 or auto, got {self.num_draft!r}")
         if not self.auto_prompts.strip(" ,"):
             raise InputError("--auto-prompts needs at least one prompt set")
+        if self.num_draft == "auto":  # before the first build, not after it
+            from specgraph.bench import prompt_file
+
+            for name in self.prompt_sets:
+                prompt_file(name)
+
+    @property
+    def prompt_sets(self) -> list[str]:
+        return [name.strip() for name in self.auto_prompts.split(",") if name.strip()]
 
     @property
     def draft_count(self) -> int:
@@ -99,7 +107,7 @@ class DrafterOptions(Options):
         return self.adaptive or self.num_draft == "auto"
 
     def files(self) -> list[str | Path | None]:
-        return [path for path in self.auto_prompts.split(",") if path.endswith((".jsonl", ".jsonl.gz"))]
+        return [path for path in self.prompt_sets if path.endswith((".jsonl", ".jsonl.gz"))]
 
 
 @dataclass(frozen=True)
@@ -406,7 +414,7 @@ def auto_draft(staging: Path, engine: ModelDrafts, section: dict[str, Any], opts
     _gate(staging, engine)
     live = measure(placeholder)
     counts: list[int] = []
-    for name in [n.strip() for n in opts.auto_prompts.split(",") if n.strip()]:
+    for name in opts.prompt_sets:
         for ids in prompt_ids(name, AUTO_LIMIT, live, chat=True):
             counts += live.generate(ids, AUTO_TOKENS).accepted_per_step
     k, at = engine.num_draft, min(128, engine.max_context - engine.num_draft - 2)
@@ -420,6 +428,7 @@ def auto_draft(staging: Path, engine: ModelDrafts, section: dict[str, Any], opts
                                 float(np.median(idle)), k)  # fmt: skip
     report.update(prompts=opts.auto_prompts, rounds=len(counts))
     rebuild = dataclasses.replace(opts, num_draft=report["chosen"], auto_report=report)
+    rebuild.check()  # e.g. an --adaptive-threshold above the K chosen, refused before the second build
     return Finished(section, draft_depth=engine.num_draft, rebuild=rebuild)
 
 

@@ -245,6 +245,12 @@ def test_choose_draft_count_weighs_acceptance_against_the_measured_round():
         ("draft", {"num_draft": "many"}, "--num-draft must be a number from 1 to 16 or auto"),
         ("draft", {"num_draft": "auto", "auto_prompts": " , "}, "--auto-prompts needs at least one prompt set"),
         ("draft", {"num_draft": "auto", "adaptive_threshold": 1.0}, "--adaptive-threshold needs --adaptive"),
+        ("draft", {"num_draft": "auto", "auto_prompts": "chat,nowhere.jsonl"}, "no such prompt file: nowhere.jsonl"),
+        (
+            "eagle",
+            {"num_draft": "auto", "adaptive": True, "adaptive_threshold": 5.0},
+            r"between 0 and --num-draft \(4\)",
+        ),
     ],
 )
 def test_bad_draft_counts_are_refused(tiny_folder, tmp_path, method, options, message):

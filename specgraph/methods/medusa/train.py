@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specgraph.bench import _read_records, _resolve_prompt_file, checked_ids, encode_prompt
+from specgraph.bench import _read_records, checked_ids, encode_prompt, prompt_file
 from specgraph.errors import InputError, OutputError
 from specgraph.loaders import LoadedModel, load_model, load_tokenizer
 from specgraph.methods.medusa.heads import MedusaHeads, model_fingerprint, save_heads
@@ -141,7 +141,7 @@ def _inputs(model: str, prompts: str, engine_bundle: str | None) -> list[str | P
     from specgraph.default_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME, cache_root
 
     source = cache_root() / DEFAULT_MODEL_NAME if model == DEFAULT_MODEL else model
-    return [source, TRAIN_SET if prompts == "train" else _resolve_prompt_file(prompts), engine_bundle]
+    return [source, TRAIN_SET if prompts == "train" else prompt_file(prompts), engine_bundle]
 
 
 def _cache_path(output: Path) -> Path:
