@@ -176,10 +176,12 @@ def compile_model(cfg: CompileConfig, progress: Callable[[str], None] | None = N
     times["load"] = time.perf_counter() - t0
     staging = staging_dir(out)
     try:
-        while True:
+        for builds in range(1, 4):
             stage = _stage(loaded, cfg, staging, say, times)
             if stage.finished.rebuild is None:
                 break
+            if builds == 3:
+                raise RuntimeError(f"--method {cfg.method} asked for a fourth build: a method's finish must settle")
             # the method measured this engine and asks for another (e.g. --num-draft auto's K)
             cfg = dataclasses.replace(cfg, options=stage.finished.rebuild)
             shutil.rmtree(staging)

@@ -461,7 +461,7 @@ def add_drafting_flags(group: Any) -> None:
     early-exit): --num-draft, --adaptive and the reduced draft vocabulary's."""
     group.add_argument(
         "--num-draft", type=count_or_auto,
-        help="draft tokens per round (lookup: default 7; draft: 4; eagle: 2; early-exit: 3), or auto (draft, eagle, "
+        help="draft tokens per round (lookup: default 7; draft: 4; eagle: 1; early-exit: 3), or auto (draft, eagle, "
         "early-exit): build with 4, generate --auto-prompts and time the engine, then build again with the K predicted "
         "fastest (about twice the compile time)",
     )  # fmt: skip

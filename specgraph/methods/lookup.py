@@ -96,7 +96,7 @@ class LookupMethod(Method):
             "--num-draft",
             type=count_or_auto,
             default=7,
-            help="draft tokens verified per step (lookup: default 7; draft: default 4; eagle: default 2; early-exit: "
+            help="draft tokens verified per step (lookup: default 7; draft: default 4; eagle: default 1; early-exit: "
             "default 3). draft, eagle, early-exit also take auto: build with 4, generate --auto-prompts and time the "
             "engine, then build again with the K predicted fastest (about twice the compile time)",
         )

@@ -55,7 +55,7 @@ DRAFTER_BLOCK = 32  # weights per block of the drafter's matrices
 class EagleOptions(DrafterOptions):
     method: ClassVar[str] = "eagle"
     eagle: str | None = None  # a drafter file from `specgraph train --method eagle`; default: the shipped one
-    num_draft: int | str = 2  # K (2 measured best for the shipped drafter, docs/benchmarks.md), or "auto"
+    num_draft: int | str = 1  # K (1 measured best for the shipped drafter, docs/benchmarks.md), or "auto"
     draft_vocab: int | None = None  # tokens the readout scores; None: DRAFT_VOCAB with a ranking; 0: all
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
     eagle_weights: str = "int8"  # the drafter's matrices: int8 or int4 blocks (int8 activations), or fp32
