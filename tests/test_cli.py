@@ -208,7 +208,10 @@ def test_a_mismatched_weight_is_named_not_an_above_report(capsys, tmp_path, tiny
         (["--method", "lookup", "--num-draft", "auto"], "--num-draft auto is for draft, eagle and early-exit"),
         (["--method", "draft", "--num-draft", "some"], "expected a number or auto, got 'some'"),
         (["--method", "eagle", "--num-draft", "auto", "--auto-prompts", "nowhere.jsonl"], "no such prompt file"),
-        (["--method", "lookup", "--auto-prompts", "chat"], "--auto-prompts is a --method draft/eagle/early-exit option"),
+        (
+            ["--method", "lookup", "--auto-prompts", "chat"],
+            "--auto-prompts is a --method draft/eagle/early-exit option",
+        ),
     ],
 )
 def test_num_draft_auto_flags_are_checked_before_anything_is_built(flags, needle, tiny_folder, tmp_path):
