@@ -43,6 +43,13 @@ class Options:
         return True
 
 
+NUM_DRAFT_HELP = (
+    "draft tokens per round (lookup: default 7; draft: 4; eagle: 1; early-exit: 3), or auto (draft, eagle, "
+    "early-exit): build with 4, generate --auto-prompts and time the engine, then build again with the K predicted "
+    "fastest (about twice the compile time)"
+)  # --num-draft: every method that takes it registers it with this text (the first registration serves all)
+
+
 def count_or_auto(text: str) -> int | str:
     """`--num-draft`'s type: a whole number, or `auto` (the methods that measure K themselves)."""
     if text.strip().lower() == "auto":

@@ -46,7 +46,7 @@ import torch
 
 from specgraph import draft_vocab, sampling
 from specgraph.errors import InputError
-from specgraph.methods.base import Built, Finished, Measure, Method, Options, count_or_auto
+from specgraph.methods.base import NUM_DRAFT_HELP, Built, Finished, Measure, Method, Options, count_or_auto
 from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
 
 _I64 = torch.int64
@@ -408,7 +408,6 @@ def auto_draft(staging: Path, engine: ModelDrafts, section: dict[str, Any], opts
     time a call verifying n = 1..K+1 tokens with the drafter and one without it, and ask the
     compiler to build again with the K that `choose_draft_count` predicts fastest."""
     from specgraph.bench import acceptance_by_depth, prompt_ids
-    from specgraph.timing import time_call
 
     placeholder = Finished(section, draft_depth=engine.num_draft)
     _gate(staging, engine)
@@ -417,15 +416,9 @@ def auto_draft(staging: Path, engine: ModelDrafts, section: dict[str, Any], opts
     for name in opts.prompt_sets:
         for ids in prompt_ids(name, AUTO_LIMIT, live, chat=True):
             counts += live.generate(ids, AUTO_TOKENS).accepted_per_step
-    k, at = engine.num_draft, min(128, engine.max_context - engine.num_draft - 2)
-    rounds: dict[int, list[float]] = {n: [] for n in range(1, k + 2)}
-    idle = []
-    for _ in range(3):  # interleaved
-        for n in rounds:
-            rounds[n].append(time_call(live, n, at, repeats=5))
-        idle.append(time_call(live, 1, at, repeats=5, fill={"draft_score": -1e9}))
-    report = choose_draft_count(acceptance_by_depth(counts, k), {n: float(np.median(t)) for n, t in rounds.items()},
-                                float(np.median(idle)), k)  # fmt: skip
+    k = engine.num_draft
+    rounds, idle = _time_gated(live, engine, range(1, k + 2))
+    report = choose_draft_count(acceptance_by_depth(counts, k), rounds, idle, k)
     report.update(prompts=opts.auto_prompts, rounds=len(counts))
     rebuild = dataclasses.replace(opts, num_draft=report["chosen"], auto_report=report)
     rebuild.check()  # e.g. an --adaptive-threshold above the K chosen, refused before the second build
@@ -459,12 +452,7 @@ def choose_draft_count(acceptance: list[float], rounds: dict[int, float], idle: 
 def add_drafting_flags(group: Any) -> None:
     """The flags of every method whose drafter is a network run K times (draft, eagle,
     early-exit): --num-draft, --adaptive and the reduced draft vocabulary's."""
-    group.add_argument(
-        "--num-draft", type=count_or_auto,
-        help="draft tokens per round (lookup: default 7; draft: 4; eagle: 1; early-exit: 3), or auto (draft, eagle, "
-        "early-exit): build with 4, generate --auto-prompts and time the engine, then build again with the K predicted "
-        "fastest (about twice the compile time)",
-    )  # fmt: skip
+    group.add_argument("--num-draft", type=count_or_auto, help=NUM_DRAFT_HELP)
     group.add_argument(
         "--auto-prompts",
         help=f"draft, eagle, early-exit with --num-draft auto: the prompt sets (names or .jsonl files, comma-separated) "
@@ -504,22 +492,34 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     round at which drafting pays for itself (round time / idle time - 1). Returns the manifest's
     description."""
     from specgraph.exporters.onnx import set_initializer
-    from specgraph.timing import time_call
 
     path = staging / "model.onnx"
     moved = _gate(staging, engine)
     live = measure(placeholder)
-    k, at = engine.num_draft, min(128, engine.max_context - engine.num_draft - 2)
-    drafting, idle = [], []
-    for _ in range(3):  # interleaved
-        drafting.append(time_call(live, k + 1, at, repeats=5))
-        idle.append(time_call(live, 1, at, repeats=5, fill={"draft_score": -1e9}))
-    round_s, idle_s = float(np.median(drafting)), float(np.median(idle))
+    k = engine.num_draft
+    rounds, idle_s = _time_gated(live, engine, [k + 1])
+    round_s = rounds[k + 1]
     measured = round_s / idle_s - 1
     threshold = measured if threshold is None else threshold
     set_initializer(path, "draft_threshold", np.array([threshold], np.float32))
     return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "round_ms": round(round_s * 1e3, 2),
             "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "gated_nodes": moved}  # fmt: skip
+
+
+def _time_gated(live: Any, engine: ModelDrafts, widths: Any) -> tuple[dict[int, float], float]:
+    """Median seconds of a gated engine's call verifying each of `widths` tokens with the drafter,
+    and of a one-token call without it (every row's score far below the threshold), at context
+    128: 3 interleaved rounds of 5 calls each."""
+    from specgraph.timing import time_call
+
+    at = min(128, engine.max_context - engine.num_draft - 2)
+    drafting: dict[int, list[float]] = {n: [] for n in widths}
+    idle = []
+    for _ in range(3):  # interleaved
+        for n in drafting:
+            drafting[n].append(time_call(live, n, at, repeats=5))
+        idle.append(time_call(live, 1, at, repeats=5, fill={"draft_score": -1e9}))
+    return {n: float(np.median(t)) for n, t in drafting.items()}, float(np.median(idle))
 
 
 def _gate(staging: Path, engine: ModelDrafts) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from specgraph.errors import InputError
-from specgraph.methods.base import Built, Finished, Measure, Method, Options, count_or_auto
+from specgraph.methods.base import NUM_DRAFT_HELP, Built, Finished, Measure, Method, Options, count_or_auto
 from specgraph.methods.draft import add_adaptive_flag
 from specgraph.step import StepEngine
 
@@ -96,9 +96,7 @@ class LookupMethod(Method):
             "--num-draft",
             type=count_or_auto,
             default=7,
-            help="draft tokens verified per step (lookup: default 7; draft: default 4; eagle: default 1; early-exit: "
-            "default 3). draft, eagle, early-exit also take auto: build with 4, generate --auto-prompts and time the "
-            "engine, then build again with the K predicted fastest (about twice the compile time)",
+            help=NUM_DRAFT_HELP,
         )
         group.add_argument(
             "--max-ngram", type=int, default=3, help="lookup: longest n-gram matched in the context (default 3)"
