@@ -81,6 +81,27 @@ def test_training_reports_a_curve_and_writes_a_loadable_drafter(trained):
     assert 0.1 < depth1 <= 1 and 0 <= depth2 <= 1  # far above chance (1/256): the replies are learnable
 
 
+def test_sampled_replies_widen_the_training_text(tiny_folder, tiny_bundle, tmp_path):
+    """--samples N: N sampled replies per training prompt beside the greedy one, cached with it;
+    held-out prompts are measured on their greedy replies only."""
+    common = dict(prompts=str(token_prompts(tmp_path)), max_new_tokens=16, epochs=1, batch_size=4, holdout=0.2,
+                  curve=1, threads=1, progress=False, engine_bundle=str(tiny_bundle("llama", "none")))  # fmt: skip
+    model = str(tiny_folder("llama"))
+    plain = train_eagle(model, tmp_path / "plain.safetensors", **common)
+    wide = train_eagle(model, tmp_path / "wide.safetensors", samples=2, **common)
+    greedy = json.loads((tmp_path / "plain.gen.json").read_text())
+    cache = json.loads((tmp_path / "wide.gen.json").read_text())
+    assert cache["key"]["samples"]["count"] == 2 and "samples" not in greedy["key"]
+    assert [s["output_ids"] for s in cache["sequences"]] == [s["output_ids"] for s in greedy["sequences"]]
+    assert all(len(s["sampled"]) == 2 for s in cache["sequences"])
+    assert any(r != s["output_ids"] for s in cache["sequences"] for r in s["sampled"])  # not greedy again
+    assert wide["train_tokens"] > 2 * plain["train_tokens"] and "2 sampled" in wide["corpus"]["chat"]
+    again = train_eagle(model, tmp_path / "wide.safetensors", samples=2, force=True, **common)
+    assert again["generation_cached"] and again["train_tokens"] == wide["train_tokens"]
+    with pytest.raises(InputError, match="--samples"):
+        train_eagle(model, tmp_path / "bad.safetensors", samples=-1, **common)
+
+
 def test_greedy_equals_hf_and_drafts_are_accepted(bundles, trained):
     model = build("llama")
     engine = Engine(bundles())

@@ -155,7 +155,7 @@ class EagleMethod(Method):
         return train_eagle(model=args.model, output=args.output, prompts=args.prompts, corpus_mb=args.corpus_mb,
                            max_new_tokens=args.max_new_tokens or 128, epochs=args.epochs or 2, seq_len=args.seq_len,
                            curve=args.curve, threads=args.threads, progress=progress, command=command,
-                           force=args.force)  # fmt: skip
+                           force=args.force, samples=args.samples)  # fmt: skip
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> EagleDrafter:
         opts: EagleOptions = cfg.opts
@@ -205,7 +205,9 @@ def add_corpus_flags(group: argparse._ArgumentGroup) -> None:
     flags = [("--corpus-mb", float, 1.0, "MB of the Python standard library's sources to train on, beside the "
                                           "target's replies to --prompts (default 1.0)"),
              ("--seq-len", int, 256, "tokens per code window (default 256)"),
-             ("--curve", int, 4, "held-out acceptance measured this many times while training (default 4)")]  # fmt: skip
+             ("--curve", int, 4, "held-out acceptance measured this many times while training (default 4)"),
+             ("--samples", int, 0, "sampled replies (temperature 0.8, top-p 0.95) per training prompt beside its "
+                                   "greedy one: more of the target's own text from the same prompts (default 0)")]  # fmt: skip
     for flag, kind, default, text in flags:
         if flag not in group._option_string_actions:
             group.add_argument(flag, type=kind, default=default, help=f"eagle, early-exit: {text}")

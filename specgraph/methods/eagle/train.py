@@ -38,7 +38,7 @@ from specgraph.errors import InputError
 from specgraph.loaders import load_model, load_tokenizer
 from specgraph.methods.eagle.drafter import EagleDrafter, Shape, save_drafter
 from specgraph.methods.medusa.heads import model_fingerprint
-from specgraph.methods.medusa.train import _cache_path, _generate, _inputs, _split
+from specgraph.methods.medusa.train import SAMPLE_PARAMS, _cache_path, _generate, _inputs, _split
 from specgraph.outputs import GEN_CACHE, HEADS, check_output, write_file
 
 CE_WEIGHT = 0.3  # the token loss beside the feature regression
@@ -65,12 +65,14 @@ def train_eagle(
     progress: bool = True,
     command: str | None = None,
     force: bool = False,
+    samples: int = 0,
 ) -> dict[str, Any]:
     """Train an EAGLE drafter for `model` and save it to `output` (safetensors). Returns its meta
     plus the losses and timings. `draft_vocab_size`: tokens the readout scores (None: the
     default reduced vocabulary where the model has a ranking, else all; 0: all). `engine_bundle`:
-    a compiled `none` bundle of the model to generate the replies with (default: one is compiled)."""
-    text = Text(prompts, corpus_mb, max_new_tokens, seq_len, holdout, seed)
+    a compiled `none` bundle of the model to generate the replies with (default: one is compiled).
+    `samples`: sampled replies per training prompt beside the greedy one (`Text`)."""
+    text = Text(prompts, corpus_mb, max_new_tokens, seq_len, holdout, seed, samples)
     inputs, output = check_run(model, output, text, Schedule(epochs, lr, batch_size, curve), threads, engine_bundle,
                                force)  # fmt: skip
     old_threads = torch.get_num_threads()
@@ -165,8 +167,9 @@ def save_and_report(output: Path, save: Callable[[Path], None], meta: dict[str, 
 
 @dataclass(frozen=True)
 class Text:
-    """What a drafter trains on: the target's replies to `prompts` and `corpus_mb` MB of code in
-    windows of `seq_len` tokens, `holdout` of each kind held out."""
+    """What a drafter trains on: the target's replies to `prompts` (its greedy one and `samples`
+    sampled ones each) and `corpus_mb` MB of code in windows of `seq_len` tokens, `holdout` of each
+    kind held out (whole prompts, measured on their greedy replies)."""
 
     prompts: str = "train"
     corpus_mb: float = 1.0
@@ -174,6 +177,7 @@ class Text:
     seq_len: int = 256
     holdout: float = 0.05
     seed: int = 0
+    samples: int = 0  # sampled replies per training prompt, beside the greedy one
 
 
 @dataclass(frozen=True)
@@ -188,9 +192,9 @@ def check_run(model: str, output: str | Path, text: Text, schedule: Schedule, th
               force: bool) -> tuple[list[str | Path | None], Path]:  # fmt: skip
     """Refuse bad settings and outputs before anything runs; (what the run reads, the output path)."""
     if schedule.epochs < 1 or schedule.batch_size < 1 or threads < 1 or text.seq_len < 8 or schedule.curve < 1 \
-            or not schedule.lr > 0 or text.corpus_mb < 0:  # fmt: skip
+            or not schedule.lr > 0 or text.corpus_mb < 0 or text.samples < 0:  # fmt: skip
         raise InputError("epochs, batch size, threads and --curve must be at least 1, --seq-len at least 8, "
-                         "lr positive and --corpus-mb not negative")  # fmt: skip
+                         "lr positive and --corpus-mb and --samples not negative")  # fmt: skip
     inputs = _inputs(model, text.prompts, engine_bundle)
     path = check_output(output, HEADS, inputs, force)
     check_output(_cache_path(path), GEN_CACHE, inputs, force)
@@ -219,14 +223,17 @@ def teacher_sets(model: str, loaded: Any, text: Text, output: Path, batch_size: 
     lm_head = hf.get_output_embeddings()
     t0 = time.perf_counter()
     chats, cached = _generate(model, loaded, text.prompts, output, text.max_new_tokens, threads, engine_bundle,
-                              progress, guard)  # fmt: skip
+                              progress, guard, text.samples)  # fmt: skip
     # a reply's entries count from its prompt's last position on (the first draft of a reply
     # comes from there); the chat template and prompt before it are context only
     seq_len = text.seq_len
-    chat_seqs = [((p + r)[-seq_len:], max(0, len(p) - 1 - max(0, len(p) + len(r) - seq_len))) for p, r in chats]
+    window = lambda p, r: ((p + r)[-seq_len:], max(0, len(p) - 1 - max(0, len(p) + len(r) - seq_len)))  # noqa: E731
     code_seqs, files = _code_windows(loaded, text.corpus_mb, seq_len, text.seed)
     text_s = time.perf_counter() - t0
-    held_chat, train_chat = _split(chat_seqs, text.holdout, text.seed)
+    # whole prompts are held out, and only their greedy replies measured: what an engine drafts for
+    held_prompts, train_prompts = _split(chats, text.holdout, text.seed)
+    held_chat = [window(c.prompt, c.greedy) for c in held_prompts]
+    train_chat = [window(c.prompt, r) for c in train_prompts for r in (c.greedy, *c.sampled)]
     held_code, train_code = _split(code_seqs, text.holdout, text.seed) if len(code_seqs) >= 2 else ([], code_seqs)
 
     t0 = time.perf_counter()
@@ -244,8 +251,15 @@ def corpus_meta(text: Text, info: dict[str, Any]) -> dict[str, str]:
     return {
         "code": f"{corpus.LICENCE}, {text.corpus_mb} MB ({info['files']} files, {info['windows']} windows of "
         f"{text.seq_len} tokens for training)",
-        "chat": f"the target's greedy replies to {text.prompts} ({info['chats']} for training)",
+        "chat": f"the target's greedy replies to {text.prompts}"
+        + (f" and {text.samples} sampled ones each ({sample_text()})" if text.samples else "")
+        + f" ({info['chats']} replies for training)",
     }
+
+
+def sample_text() -> str:
+    params = SAMPLE_PARAMS
+    return f"temperature {params.temperature}, top-p {params.top_p}"
 
 
 def _code_windows(loaded: Any, mb: float, seq_len: int, seed: int) -> tuple[list[tuple[list[int], int]], int]:

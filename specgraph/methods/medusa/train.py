@@ -21,8 +21,9 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -32,12 +33,23 @@ from specgraph.errors import InputError, OutputError
 from specgraph.loaders import LoadedModel, load_model, load_tokenizer
 from specgraph.methods.medusa.heads import MedusaHeads, model_fingerprint, save_heads
 from specgraph.outputs import GEN_CACHE, HEADS, check_output, write_file
+from specgraph.sampling import SamplingParams
 
 HEAD_DECAY = 0.8  # loss weight of head k is HEAD_DECAY**k (Medusa-1)
 RANKS = 10  # acceptance[k][r] for r < RANKS
 IGNORE = -100  # target id where t + k + 2 runs past the end of the sequence
 GENERATE_BATCH = 16  # prompts per engine call when generating the training text
 TRAIN_SET = Path(__file__).resolve().parents[2] / "data" / "train.jsonl"  # what prompts="train" names
+# sampled replies to the training prompts (`samples`): the target's own text, more varied than greedy
+SAMPLE_PARAMS = SamplingParams(temperature=0.8, top_p=0.95)
+
+
+class Replies(NamedTuple):
+    """The target's text for one training prompt: its greedy reply and any sampled ones."""
+
+    prompt: list[int]
+    greedy: list[int]
+    sampled: list[list[int]]
 
 
 def train_medusa(
@@ -86,8 +98,9 @@ def train_medusa(
             raise InputError(f"{model}: training Medusa heads needs a Hugging Face model with an LM head")
         timings["load_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        seqs, cached = _generate(model, loaded, prompts, output, max_new_tokens, threads, engine_bundle, progress,
-                                 (inputs, force))  # fmt: skip
+        replies, cached = _generate(model, loaded, prompts, output, max_new_tokens, threads, engine_bundle, progress,
+                                    (inputs, force))  # fmt: skip
+        seqs = [(r.prompt, r.greedy) for r in replies]
         timings["generate_s"] = time.perf_counter() - t0
         held, kept = _split(seqs, holdout, seed)
         t0 = time.perf_counter()
@@ -201,11 +214,16 @@ def _generate(
     engine_bundle: str | None,
     progress: bool,
     writing: tuple[list[str | Path | None], bool],
-) -> tuple[list[tuple[list[int], list[int]]], bool]:
-    """(prompt ids, greedy response ids) per prompt, from the cache when it matches. `writing` is
-    the run's (inputs, force), for writing the cache."""
+    samples: int = 0,
+) -> tuple[list[Replies], bool]:
+    """(prompt ids, greedy response ids, `samples` sampled response ids) per prompt, from the
+    cache when it matches. `writing` is the run's (inputs, force), for writing the cache. Sampled
+    replies (SAMPLE_PARAMS, one seed per sample and batch) widen the target's own text beyond its
+    greedy answers: more contexts of the kind a drafter meets, for the same prompts."""
     all_ids = _prompt_ids(prompts, loaded)
-    key = {"model": loaded.name, "max_new_tokens": max_new_tokens, "prompts_sha256": _digest(all_ids)}
+    key: dict[str, Any] = {"model": loaded.name, "max_new_tokens": max_new_tokens, "prompts_sha256": _digest(all_ids)}
+    if samples:  # a greedy-only cache keeps the key it always had
+        key["samples"] = {"count": samples, **SAMPLE_PARAMS.as_dict()}
     cache = _cache_path(output)
     saved = _read_cache(cache, key)
     if saved is not None:
@@ -220,17 +238,23 @@ def _generate(
         fitting = _fitting(all_ids, engine.max_context, prompts)
         if int(engine.manifest["vocab_size"]) != loaded.vocab_size:
             raise InputError(f"engine bundle {bundle} has a different vocabulary than {model}: not the same model")
-        seqs = []
-        bar = tqdm(total=len(fitting), desc="generate", unit="prompt", file=sys.stderr, disable=not progress)
+        replies: list[list[list[int]]] = [[] for _ in fitting]
+        bar = tqdm(total=len(fitting) * (1 + samples), desc="generate", unit="reply", file=sys.stderr,
+                   disable=not progress)  # fmt: skip
         # rows of a batch emit exactly what each would alone (Engine.generate_batch), several times faster
-        for start in range(0, len(fitting), GENERATE_BATCH):
-            group = fitting[start : start + GENERATE_BATCH]
-            results = engine.generate_batch(group, max_new_tokens)
-            seqs += [(ids, list(r.output_ids)) for ids, r in zip(group, results, strict=True)]
-            bar.update(len(group))
-            bar.set_postfix(tokens=sum(len(out) for _, out in seqs))
+        for sample in range(1 + samples):  # 0: greedy
+            params = replace(SAMPLE_PARAMS, seed=sample) if sample else None
+            for start in range(0, len(fitting), GENERATE_BATCH):
+                group = fitting[start : start + GENERATE_BATCH]
+                results = engine.generate_batch(group, max_new_tokens, params=params)
+                for i, result in enumerate(results, start):
+                    replies[i].append(list(result.output_ids))
+                bar.update(len(group))
+                bar.set_postfix(tokens=sum(len(out) for outs in replies for out in outs))
         bar.close()
-    body = {"key": key, "sequences": [{"prompt_ids": p, "output_ids": o} for p, o in seqs]}
+    seqs = [Replies(ids, outs[0], outs[1:]) for ids, outs in zip(fitting, replies, strict=True)]
+    body = {"key": key, "sequences": [{"prompt_ids": r.prompt, "output_ids": r.greedy, "sampled": r.sampled}
+                                      for r in seqs]}  # fmt: skip
     write_file(cache, lambda tmp: tmp.write_text(json.dumps(body)), GEN_CACHE, *writing)
     return seqs, False
 
@@ -247,16 +271,17 @@ def _fitting(all_ids: list[list[int]], max_context: int, prompts: str) -> list[l
     return fitting
 
 
-def _read_cache(cache: Path, key: dict[str, Any]) -> list[tuple[list[int], list[int]]] | None:
+def _read_cache(cache: Path, key: dict[str, Any]) -> list[Replies] | None:
     """The cached sequences if `cache` holds a well-formed cache for `key`, else None."""
     try:
         saved = json.loads(cache.read_text()) if cache.is_file() else None
         if not isinstance(saved, dict) or saved.get("key") != key:
             return None
-        seqs = [(s["prompt_ids"], s["output_ids"]) for s in saved["sequences"]]
+        seqs = [Replies(s["prompt_ids"], s["output_ids"], s.get("sampled", [])) for s in saved["sequences"]]
+        parts = [part for seq in seqs for part in (seq.prompt, seq.greedy, *seq.sampled)]
     except (OSError, ValueError, RecursionError, KeyError, TypeError):
         return None  # unreadable or malformed: generate afresh (and replace it)
-    ok = all(isinstance(part, list) and all(type(t) is int for t in part) for seq in seqs for part in seq)
+    ok = all(isinstance(part, list) and all(type(t) is int for t in part) for part in parts)
     return seqs if ok else None
 
 
