@@ -102,6 +102,49 @@ def test_sampled_replies_widen_the_training_text(tiny_folder, tiny_bundle, tmp_p
         train_eagle(model, tmp_path / "bad.safetensors", samples=-1, **common)
 
 
+def test_added_prompts_reuse_the_cached_replies(tiny_folder, tiny_bundle, tmp_path, monkeypatch):
+    """The generation cache keeps replies by prompt: a run with more prompts generates only theirs."""
+    from specgraph.methods.medusa import train as medusa_train
+
+    prompts = token_prompts(tmp_path)
+    common = dict(max_new_tokens=8, epochs=1, batch_size=4, holdout=0.2, curve=1, threads=1, progress=False,
+                  engine_bundle=str(tiny_bundle("llama", "none")))  # fmt: skip
+    model, out = str(tiny_folder("llama")), tmp_path / "d.safetensors"
+    train_eagle(model, out, prompts=str(prompts), **common)
+    first = json.loads((tmp_path / "d.gen.json").read_text())["sequences"]
+    more = tmp_path / "more.jsonl"
+    added = [{"prompt_ids": [7, 8, 9, 10 + i]} for i in range(3)]
+    more.write_text(prompts.read_text() + "".join(json.dumps(line) + "\n" for line in added))
+    asked = []
+    reply_all = medusa_train._reply_all
+    monkeypatch.setattr(
+        medusa_train, "_reply_all", lambda engine, ids, *a: asked.extend(ids) or reply_all(engine, ids, *a)
+    )
+    report = train_eagle(model, out, prompts=str(more), force=True, **common)
+    assert asked == [line["prompt_ids"] for line in added] and not report["generation_cached"]
+    cached = json.loads((tmp_path / "d.gen.json").read_text())["sequences"]
+    assert cached[: len(first)] == first and len(cached) == len(first) + 3
+
+
+def test_function_prompts_are_humaneval_shaped_stubs():
+    import ast
+
+    from specgraph import corpus
+
+    prompts = corpus.function_prompts(12, seed=1)
+    assert len(prompts) == 12 and prompts == corpus.function_prompts(12, seed=1)
+    for text in prompts:
+        (node,) = ast.parse(text).body  # one function: a signature and its docstring, nothing else
+        assert isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_")
+        assert len(node.body) == 1 and ast.get_docstring(node) and not node.decorator_list
+
+
+def test_function_prompts_need_a_tokenizer(tiny_folder, tmp_path):
+    with pytest.raises(InputError, match="--function-prompts needs a model with a tokenizer"):
+        train_eagle(str(tiny_folder("llama")), tmp_path / "f.safetensors", prompts=str(token_prompts(tmp_path)),
+                    functions=4, progress=False)  # fmt: skip
+
+
 def test_greedy_equals_hf_and_drafts_are_accepted(bundles, trained):
     model = build("llama")
     engine = Engine(bundles())

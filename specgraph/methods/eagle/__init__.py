@@ -155,7 +155,7 @@ class EagleMethod(Method):
         return train_eagle(model=args.model, output=args.output, prompts=args.prompts, corpus_mb=args.corpus_mb,
                            max_new_tokens=args.max_new_tokens or 128, epochs=args.epochs or 2, seq_len=args.seq_len,
                            curve=args.curve, threads=args.threads, progress=progress, command=command,
-                           force=args.force, samples=args.samples)  # fmt: skip
+                           force=args.force, samples=args.samples, functions=args.function_prompts)  # fmt: skip
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> EagleDrafter:
         opts: EagleOptions = cfg.opts
@@ -207,7 +207,10 @@ def add_corpus_flags(group: argparse._ArgumentGroup) -> None:
              ("--seq-len", int, 256, "tokens per code window (default 256)"),
              ("--curve", int, 4, "held-out acceptance measured this many times while training (default 4)"),
              ("--samples", int, 0, "sampled replies (temperature 0.8, top-p 0.95) per training prompt beside its "
-                                   "greedy one: more of the target's own text from the same prompts (default 0)")]  # fmt: skip
+                                   "greedy one: more of the target's own text from the same prompts (default 0)"),
+             ("--function-prompts", int, 0, "code requests in HumanEval's form (a signature and docstring) made from "
+                                            "this many of the standard library's documented functions, answered by the "
+                                            "target beside --prompts (default 0)")]  # fmt: skip
     for flag, kind, default, text in flags:
         if flag not in group._option_string_actions:
             group.add_argument(flag, type=kind, default=default, help=f"eagle, early-exit: {text}")

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from specgraph import corpus, draft_vocab
+from specgraph.bench import encode_prompt
 from specgraph.errors import InputError
 from specgraph.loaders import load_model, load_tokenizer
 from specgraph.methods.eagle.drafter import EagleDrafter, Shape, save_drafter
@@ -66,13 +67,15 @@ def train_eagle(
     command: str | None = None,
     force: bool = False,
     samples: int = 0,
+    functions: int = 0,
 ) -> dict[str, Any]:
     """Train an EAGLE drafter for `model` and save it to `output` (safetensors). Returns its meta
     plus the losses and timings. `draft_vocab_size`: tokens the readout scores (None: the
     default reduced vocabulary where the model has a ranking, else all; 0: all). `engine_bundle`:
     a compiled `none` bundle of the model to generate the replies with (default: one is compiled).
-    `samples`: sampled replies per training prompt beside the greedy one (`Text`)."""
-    text = Text(prompts, corpus_mb, max_new_tokens, seq_len, holdout, seed, samples)
+    `samples`: sampled replies per training prompt beside the greedy one; `functions`: code requests
+    made from the standard library's documented functions, answered by the target (`Text`)."""
+    text = Text(prompts, corpus_mb, max_new_tokens, seq_len, holdout, seed, samples, functions)
     inputs, output = check_run(model, output, text, Schedule(epochs, lr, batch_size, curve), threads, engine_bundle,
                                force)  # fmt: skip
     old_threads = torch.get_num_threads()
@@ -178,6 +181,7 @@ class Text:
     holdout: float = 0.05
     seed: int = 0
     samples: int = 0  # sampled replies per training prompt, beside the greedy one
+    functions: int = 0  # code requests from the standard library's documented functions (`corpus`)
 
 
 @dataclass(frozen=True)
@@ -192,9 +196,9 @@ def check_run(model: str, output: str | Path, text: Text, schedule: Schedule, th
               force: bool) -> tuple[list[str | Path | None], Path]:  # fmt: skip
     """Refuse bad settings and outputs before anything runs; (what the run reads, the output path)."""
     if schedule.epochs < 1 or schedule.batch_size < 1 or threads < 1 or text.seq_len < 8 or schedule.curve < 1 \
-            or not schedule.lr > 0 or text.corpus_mb < 0 or text.samples < 0:  # fmt: skip
+            or not schedule.lr > 0 or min(text.corpus_mb, text.samples, text.functions) < 0:  # fmt: skip
         raise InputError("epochs, batch size, threads and --curve must be at least 1, --seq-len at least 8, "
-                         "lr positive and --corpus-mb and --samples not negative")  # fmt: skip
+                         "lr positive and --corpus-mb, --samples and --function-prompts not negative")  # fmt: skip
     inputs = _inputs(model, text.prompts, engine_bundle)
     path = check_output(output, HEADS, inputs, force)
     check_output(_cache_path(path), GEN_CACHE, inputs, force)
@@ -222,8 +226,10 @@ def teacher_sets(model: str, loaded: Any, text: Text, output: Path, batch_size: 
     hf = loaded.hf_model
     lm_head = hf.get_output_embeddings()
     t0 = time.perf_counter()
-    chats, cached = _generate(model, loaded, text.prompts, output, text.max_new_tokens, threads, engine_bundle,
-                              progress, guard, text.samples)  # fmt: skip
+    requests = function_requests(loaded, text)
+    replies, cached = _generate(model, loaded, text.prompts, output, text.max_new_tokens, threads, engine_bundle,
+                                progress, guard, text.samples, requests)  # fmt: skip
+    asked = {tuple(ids) for ids in requests}
     # a reply's entries count from its prompt's last position on (the first draft of a reply
     # comes from there); the chat template and prompt before it are context only
     seq_len = text.seq_len
@@ -231,18 +237,25 @@ def teacher_sets(model: str, loaded: Any, text: Text, output: Path, batch_size: 
     code_seqs, files = _code_windows(loaded, text.corpus_mb, seq_len, text.seed)
     text_s = time.perf_counter() - t0
     # whole prompts are held out, and only their greedy replies measured: what an engine drafts for
-    held_prompts, train_prompts = _split(chats, text.holdout, text.seed)
-    held_chat = [window(c.prompt, c.greedy) for c in held_prompts]
-    train_chat = [window(c.prompt, r) for c in train_prompts for r in (c.greedy, *c.sampled)]
+    held_text: dict[str, list[Any]] = {}
+    train_text: list[Any] = []
+    for name, part in (("chat", [r for r in replies if tuple(r.prompt) not in asked]),
+                       ("functions", [r for r in replies if tuple(r.prompt) in asked])):  # fmt: skip
+        if part:
+            held_prompts, train_prompts = _split(part, text.holdout, text.seed)
+            held_text[name] = [window(c.prompt, c.greedy) for c in held_prompts]
+            train_text += [window(c.prompt, r) for c in train_prompts for r in (c.greedy, *c.sampled)]
     held_code, train_code = _split(code_seqs, text.holdout, text.seed) if len(code_seqs) >= 2 else ([], code_seqs)
+    if held_code:
+        held_text["code"] = held_code
 
     t0 = time.perf_counter()
-    train = _features(hf, lm_head, train_chat + train_code, batch_size, progress, "features (train)", layer)
-    held = {"chat": _features(hf, lm_head, held_chat, batch_size, progress, "features (held-out chat)", layer)}
-    if held_code:
-        held["code"] = _features(hf, lm_head, held_code, batch_size, progress, "features (held-out code)", layer)
+    train = _features(hf, lm_head, train_text + train_code, batch_size, progress, "features (train)", layer)
+    held = {name: _features(hf, lm_head, seqs, batch_size, progress, f"features (held-out {name})", layer)
+            for name, seqs in held_text.items()}  # fmt: skip
     timings = {"text_s": text_s, "features_s": time.perf_counter() - t0}
-    info = {"chats": len(train_chat), "windows": len(train_code), "files": files, "cached": cached, "timings": timings}
+    info = {"chats": len(train_text), "windows": len(train_code), "files": files, "cached": cached,
+            "functions": len(asked), "timings": timings}  # fmt: skip
     return train, held, info
 
 
@@ -253,8 +266,24 @@ def corpus_meta(text: Text, info: dict[str, Any]) -> dict[str, str]:
         f"{text.seq_len} tokens for training)",
         "chat": f"the target's greedy replies to {text.prompts}"
         + (f" and {text.samples} sampled ones each ({sample_text()})" if text.samples else "")
+        + (
+            f", and to {info['functions']} requests in HumanEval's form from the standard library's documented "
+            "functions"
+            if info["functions"]
+            else ""
+        )
         + f" ({info['chats']} replies for training)",
     }
+
+
+def function_requests(loaded: Any, text: Text) -> list[list[int]]:
+    """`text.functions` code requests (`corpus.function_prompts`) as chat-template prompt ids."""
+    if not text.functions:
+        return []
+    if loaded.tokenizer_dir is None:
+        raise InputError(f"--function-prompts needs a model with a tokenizer; {loaded.name} has none")
+    tokenizer = load_tokenizer(loaded.tokenizer_dir)
+    return [encode_prompt(tokenizer, t, chat=True) for t in corpus.function_prompts(text.functions, text.seed)]
 
 
 def sample_text() -> str:

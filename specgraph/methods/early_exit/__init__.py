@@ -110,7 +110,8 @@ class EarlyExitMethod(DraftMethod):
 
         if args.exit_layer is None:
             raise InputError("specgraph train --method early-exit needs --exit-layer E (1 <= E < the model's layers)")
-        text = Text(args.prompts, args.corpus_mb, args.max_new_tokens or 128, args.seq_len, samples=args.samples)
+        text = Text(args.prompts, args.corpus_mb, args.max_new_tokens or 128, args.seq_len, samples=args.samples,
+                    functions=args.function_prompts)  # fmt: skip
         schedule = Schedule(epochs=args.epochs or 2, lr=LR, curve=args.curve)
         return train_early_exit(args.model, args.output, args.exit_layer, text, schedule, threads=args.threads,
                                 progress=progress, command=command, force=args.force)  # fmt: skip

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -215,48 +214,59 @@ def _generate(
     progress: bool,
     writing: tuple[list[str | Path | None], bool],
     samples: int = 0,
+    extra: list[list[int]] | None = None,
 ) -> tuple[list[Replies], bool]:
-    """(prompt ids, greedy response ids, `samples` sampled response ids) per prompt, from the
-    cache when it matches. `writing` is the run's (inputs, force), for writing the cache. Sampled
-    replies (SAMPLE_PARAMS, one seed per sample and batch) widen the target's own text beyond its
-    greedy answers: more contexts of the kind a drafter meets, for the same prompts."""
-    all_ids = _prompt_ids(prompts, loaded)
-    key: dict[str, Any] = {"model": loaded.name, "max_new_tokens": max_new_tokens, "prompts_sha256": _digest(all_ids)}
+    """(prompt ids, greedy response ids, `samples` sampled response ids) for each prompt of
+    `prompts` and then of `extra` (prompt ids), in that order, leaving out those too long for the
+    engine; from the cache where it has them. `writing` is the run's (inputs, force), for writing
+    the cache. Sampled replies (SAMPLE_PARAMS, seed i for the i-th sample of every prompt) widen
+    the target's own text beyond its greedy answers: more contexts of the kind a drafter meets.
+
+    The cache keeps every prompt's replies it was ever given (for this model, budget and sampling),
+    so a run that adds prompts generates only theirs."""
+    all_ids = _prompt_ids(prompts, loaded) + (extra or [])
+    key: dict[str, Any] = {"model": loaded.name, "max_new_tokens": max_new_tokens}
     if samples:  # a greedy-only cache keeps the key it always had
         key["samples"] = {"count": samples, **SAMPLE_PARAMS.as_dict()}
     cache = _cache_path(output)
     saved = _read_cache(cache, key)
-    if saved is not None:
-        return saved, True
     from specgraph.runtime import Engine
 
-    with tempfile.TemporaryDirectory(prefix="specgraph-train-") as tmp:
-        if engine_bundle is None:
-            _fitting(all_ids, _none_context(loaded), prompts)  # before compiling: a refusal costs nothing
-        bundle = Path(engine_bundle) if engine_bundle else _compile_none(model, loaded, Path(tmp), progress)
-        engine = Engine(bundle, threads=threads)
-        fitting = _fitting(all_ids, engine.max_context, prompts)
-        if int(engine.manifest["vocab_size"]) != loaded.vocab_size:
-            raise InputError(f"engine bundle {bundle} has a different vocabulary than {model}: not the same model")
-        replies: list[list[list[int]]] = [[] for _ in fitting]
-        bar = tqdm(total=len(fitting) * (1 + samples), desc="generate", unit="reply", file=sys.stderr,
-                   disable=not progress)  # fmt: skip
-        # rows of a batch emit exactly what each would alone (Engine.generate_batch), several times faster
-        for sample in range(1 + samples):  # 0: greedy
-            params = replace(SAMPLE_PARAMS, seed=sample) if sample else None
-            for start in range(0, len(fitting), GENERATE_BATCH):
-                group = fitting[start : start + GENERATE_BATCH]
-                results = engine.generate_batch(group, max_new_tokens, params=params)
-                for i, result in enumerate(results, start):
-                    replies[i].append(list(result.output_ids))
-                bar.update(len(group))
-                bar.set_postfix(tokens=sum(len(out) for outs in replies for out in outs))
-        bar.close()
-    seqs = [Replies(ids, outs[0], outs[1:]) for ids, outs in zip(fitting, replies, strict=True)]
-    body = {"key": key, "sequences": [{"prompt_ids": r.prompt, "output_ids": r.greedy, "sampled": r.sampled}
-                                      for r in seqs]}  # fmt: skip
-    write_file(cache, lambda tmp: tmp.write_text(json.dumps(body)), GEN_CACHE, *writing)
-    return seqs, False
+    engine = Engine(Path(engine_bundle), threads=threads) if engine_bundle else None
+    fitting = _fitting(all_ids, engine.max_context if engine else _none_context(loaded), prompts)
+    missing = list({tuple(ids): ids for ids in fitting if tuple(ids) not in saved}.values())
+    if missing:
+        with tempfile.TemporaryDirectory(prefix="specgraph-train-") as tmp:
+            if engine is None:
+                engine = Engine(_compile_none(model, loaded, Path(tmp), progress), threads=threads)
+            if int(engine.manifest["vocab_size"]) != loaded.vocab_size:
+                raise InputError(f"engine bundle {engine_bundle} has a different vocabulary than {model}: "
+                                 "not the same model")  # fmt: skip
+            saved.update(_reply_all(engine, missing, max_new_tokens, samples, progress))
+        body = {"key": key, "sequences": [{"prompt_ids": r.prompt, "output_ids": r.greedy, "sampled": r.sampled}
+                                          for r in saved.values()]}  # fmt: skip
+        write_file(cache, lambda tmp: tmp.write_text(json.dumps(body)), GEN_CACHE, *writing)
+    return [saved[tuple(ids)] for ids in fitting], not missing
+
+
+def _reply_all(engine: Any, prompts: list[list[int]], max_new_tokens: int, samples: int,
+               progress: bool) -> dict[tuple[int, ...], Replies]:  # fmt: skip
+    """The engine's greedy reply and `samples` sampled ones to each prompt, in batches."""
+    replies: list[list[list[int]]] = [[] for _ in prompts]
+    bar = tqdm(total=len(prompts) * (1 + samples), desc="generate", unit="reply", file=sys.stderr,
+               disable=not progress)  # fmt: skip
+    # rows of a batch emit exactly what each would alone (Engine.generate_batch), several times faster
+    for sample in range(1 + samples):  # 0: greedy
+        params = replace(SAMPLE_PARAMS, seed=sample) if sample else None
+        for start in range(0, len(prompts), GENERATE_BATCH):
+            group = prompts[start : start + GENERATE_BATCH]
+            results = engine.generate_batch(group, max_new_tokens, params=params)
+            for i, result in enumerate(results, start):
+                replies[i].append(list(result.output_ids))
+            bar.update(len(group))
+            bar.set_postfix(tokens=sum(len(out) for outs in replies for out in outs))
+    bar.close()
+    return {tuple(ids): Replies(ids, outs[0], outs[1:]) for ids, outs in zip(prompts, replies, strict=True)}
 
 
 def _fitting(all_ids: list[list[int]], max_context: int, prompts: str) -> list[list[int]]:
@@ -271,18 +281,21 @@ def _fitting(all_ids: list[list[int]], max_context: int, prompts: str) -> list[l
     return fitting
 
 
-def _read_cache(cache: Path, key: dict[str, Any]) -> list[Replies] | None:
-    """The cached sequences if `cache` holds a well-formed cache for `key`, else None."""
+def _read_cache(cache: Path, key: dict[str, Any]) -> dict[tuple[int, ...], Replies]:
+    """The cached replies by prompt if `cache` holds a well-formed cache for `key`, else none.
+    (A cache written before replies were kept by prompt also names its prompts' digest: ignored.)"""
     try:
         saved = json.loads(cache.read_text()) if cache.is_file() else None
-        if not isinstance(saved, dict) or saved.get("key") != key:
-            return None
+        if not isinstance(saved, dict) or not isinstance(saved.get("key"), dict):
+            return {}
+        if {k: v for k, v in saved["key"].items() if k != "prompts_sha256"} != key:
+            return {}
         seqs = [Replies(s["prompt_ids"], s["output_ids"], s.get("sampled", [])) for s in saved["sequences"]]
         parts = [part for seq in seqs for part in (seq.prompt, seq.greedy, *seq.sampled)]
-    except (OSError, ValueError, RecursionError, KeyError, TypeError):
-        return None  # unreadable or malformed: generate afresh (and replace it)
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return {}  # unreadable or malformed: generate afresh (and replace it)
     ok = all(isinstance(part, list) and all(type(t) is int for t in part) for part in parts)
-    return seqs if ok else None
+    return {tuple(seq.prompt): seq for seq in seqs} if ok else {}
 
 
 def _none_context(loaded: LoadedModel) -> int:
@@ -297,10 +310,6 @@ def _compile_none(model: str, loaded: LoadedModel, tmp: Path, progress: bool) ->
         print("compiling a `none` engine to generate the training text (pass engine_bundle to skip)", file=sys.stderr)
     cfg = CompileConfig(model=model, output=tmp / "bundle", method="none", max_context=_none_context(loaded))
     return compile_model(cfg).bundle
-
-
-def _digest(ids: list[list[int]]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
 
 
 def _split(seqs: list[Any], holdout: float, seed: int) -> tuple[list[Any], list[Any]]:
