@@ -226,7 +226,7 @@ def _generate(
     so a run that adds prompts generates only theirs."""
     all_ids = _prompt_ids(prompts, loaded) + (extra or [])
     key: dict[str, Any] = {"model": loaded.name, "max_new_tokens": max_new_tokens}
-    if samples:  # a greedy-only cache keeps the key it always had
+    if samples:  # a greedy-only cache's key names no sampling
         key["samples"] = {"count": samples, **SAMPLE_PARAMS.as_dict()}
     cache = _cache_path(output)
     saved = _read_cache(cache, key)
