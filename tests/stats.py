@@ -51,6 +51,8 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
            "eagle": {"eagle": str(eagle), "num_draft": 3}}.get(name, {})  # fmt: skip
     if method.endswith("-adaptive"):  # a threshold that switches drafting on and off within three tokens
         own = {**own, "adaptive": True, "adaptive_threshold": 2.5}
+    if method.endswith("-confident"):  # the untrained drafter's greedy drafts: 1 to 3 of them are this sure
+        own = {**own, "draft_confidence": 0.05}
     if method.endswith("-fixed"):  # lookup sends every draft it finds
         own = {**own, "adaptive": False}
     return CompileConfig.of(folder, root / method, name, max_context=64, **own)

@@ -33,7 +33,8 @@ from tests.stats import PROMPT, chi_square, engine_counts, exact_joint, hf_law, 
 
 SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.7)]  # temperature, top_k, top_p
 # the draft's q is filtered like p: also top-k and top-p together at a low temperature
-OWN_SETTINGS = {"draft": [(0.7, 4, 0.9)], "eagle": [(0.7, 4, 0.9)], "eagle-adaptive": [(0.7, 4, 0.9)]}
+OWN = [(0.7, 4, 0.9)]
+OWN_SETTINGS = {"draft": OWN, "eagle": OWN, "eagle-adaptive": OWN, "eagle-confident": OWN}
 ALPHA = 1e-4
 
 
@@ -57,7 +58,10 @@ def v8(tiny_folder, tmp_path_factory):
     return get, build("llama-v8")
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "lookup-fixed", "medusa", "draft", "eagle", "eagle-adaptive"])
+METHODS = ["none", "lookup", "lookup-fixed", "medusa", "draft", "eagle", "eagle-adaptive", "eagle-confident"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_joint_law_of_three_tokens_matches_direct_sampling(method, v8):
     get, model = v8
     engine = get(method)

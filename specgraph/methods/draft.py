@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -71,6 +72,9 @@ class DrafterOptions(Options):
     adaptive: bool = False  # draft only while it pays, per row (`ModelDrafts._adapt`)
     adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
     auto_prompts: str = AUTO_PROMPTS  # --num-draft auto: the prompt sets its acceptance is measured on
+    # send a row's leading drafts while the product of the drafter's probabilities for them stays
+    # at least this (`ModelDrafts._confident`); None: send all K
+    draft_confidence: float | None = None
     # --num-draft auto, second build: what the first measured (not a flag; the manifest's `auto`)
     auto_report: dict[str, Any] | None = field(default=None, compare=False)
 
@@ -86,6 +90,12 @@ class DrafterOptions(Options):
             raise InputError(f"--num-draft must be a number from 1 to 16 or auto, got {self.num_draft!r}")
         if not self.auto_prompts.strip(" ,"):
             raise InputError("--auto-prompts needs at least one prompt set")
+        if self.draft_confidence is not None:
+            if not 0 < self.draft_confidence < 1:
+                raise InputError(f"--draft-confidence must be between 0 and 1 (exclusive), got {self.draft_confidence}")
+            if self.gated:
+                raise InputError("--draft-confidence cannot be combined with --adaptive or --num-draft auto: "
+                                 "choose K and the confidence, or let the gate decide")  # fmt: skip
         if self.num_draft == "auto":  # before the first build, not after it
             from specgraph.bench import prompt_file
 
@@ -160,7 +170,8 @@ class ModelDrafts(StepEngine):
     drafter_weights = ("p_draft_gm_", "draft_gm.")
 
     def __init__(self, *args: Any, num_draft: int, vocab_size: int, cache_shapes: list[tuple[int, ...]],
-                 vocab: tuple[torch.Tensor, dict[str, Any]] | None, adaptive: bool = False, **kwargs: Any) -> None:  # fmt: skip
+                 vocab: tuple[torch.Tensor, dict[str, Any]] | None, adaptive: bool = False,
+                 confidence: float | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.vocab_size = vocab_size
         self.num_draft = num_draft
@@ -178,6 +189,14 @@ class ModelDrafts(StepEngine):
             self.trims = {"next_tokens": "n_draft"}  # bind next_tokens[:, :1 + max(n_draft)] only
             # accepted drafts per round below which drafting costs more than it returns (`finish` measures it)
             self.register_buffer("draft_threshold", torch.zeros(1))
+        # --draft-confidence: each row sends its drafts while their cumulative log-probability under
+        # the drafter stays at least this (`_confident`); the drafter still runs all K steps
+        self.confidence = confidence
+        if confidence is not None:
+            assert not adaptive, "the gate's count and the confidence count are one output"
+            self.draft_outputs += ("n_draft",)
+            self.trims = {"next_tokens": "n_draft"}
+            self.register_buffer("draft_log_confidence", torch.tensor([math.log(confidence)]))
         # uniforms per position with sampling: 0 accept, 1 residual (or the plain draw), 2 the draft's draw
         self.uniform_streams = 3 if self.sampling else 1
         # a reduced draft vocabulary (specgraph/draft_vocab.py): the drafter's logits index these ids
@@ -198,12 +217,26 @@ class ModelDrafts(StepEngine):
     def proposal(self, state):  # type: ignore[no-untyped-def]
         return state[2 * self.draft_layers] if self.sampling else None  # draft_q [B, K, V]
 
-    def _outputs(self, state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs):  # type: ignore[no-untyped-def]
+    def _outputs(self, state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs, logps):  # type: ignore[no-untyped-def]
         """`draft`'s result: next_tokens [B, 1+K] and the drafter's state (its caches, q with
-        sampling, and with `adaptive` the acceptance state and each row's draft count)."""
+        sampling, and with `adaptive` the acceptance state and each row's draft count, or with
+        `confidence` each row's count of confident drafts). logps: each draft's log-probability
+        under the drafter ([B, 1] each), or Nones without `confidence`."""
         carried = [torch.cat(qs, dim=1)] if self.sampling else []  # draft_q_out [B, K, V]
         adapt = self._adapt(state, tokens, cache_len, cache_len_out) if self.adaptive else []
+        if self.confidence is not None:
+            adapt = [self._confident(torch.cat(logps, dim=1))]
         return torch.cat([bonus, *drafts], dim=1), [*kv, *carried, *adapt]
+
+    def _confident(self, logps: torch.Tensor) -> torch.Tensor:
+        """[B] drafts to send: the leading ones whose joint probability under the drafter,
+        exp(cumsum of their log-probabilities [B, K]), is at least the confidence (EAGLE-2 ranks
+        a tree's nodes by the same product; Kangaroo stops drafting on it). The drafter's
+        probability of its own token is calibrated against acceptance (docs/benchmarks.md), so
+        the drafts cut are the ones least likely to be accepted. Lossless either way: the count
+        only decides how many drafts the next call verifies."""
+        reach = torch.cumsum(logps, dim=1) >= self.get_buffer("draft_log_confidence")  # [B, K], true then false
+        return reach.to(_I64).sum(dim=1)
 
     def _adapt(self, state, tokens, cache_len, cache_len_out):  # type: ignore[no-untyped-def]
         """Run-time draft length: K or 0 per row, from the row's own recent acceptance. A round
@@ -225,17 +258,26 @@ class ModelDrafts(StepEngine):
         return [score, idle, n_draft]
 
     def _propose(self, logits, at, params):  # type: ignore[no-untyped-def]
-        """The draft token at positions `at` [B, 1] from the drafter's logits [B, 1, V], and its q:
-        the argmax (q unused) without sampling, else d ~ q by inverse CDF with draw 2 of `at`."""
+        """The draft token at positions `at` [B, 1] from the drafter's logits [B, 1, V], its q
+        and, with `confidence`, its log-probability [B, 1] under the drafter's unfiltered logits
+        (else None): the argmax (q unused) without sampling, else d ~ q by inverse CDF with draw
+        2 of `at`."""
         if not self.sampling:
-            return self._token(logits.argmax(dim=-1)), None
+            index = logits.argmax(dim=-1)
+            return self._token(index), None, self._log_prob(logits, index)
         u = sampling.position_uniforms(params[3], sampling.stream(at, 2, self.uniform_streams))  # [B, 1]
         index, q = torch.ops.specgraph.propose(logits, *params[:3], u)  # [B, 1], [B, 1, V]; q = 0 if greedy
         d = self._token(index)
         if self.vocab_ids is not None:  # q over the draft vocabulary -> over the target's (0 elsewhere)
             b, v_d = q.shape[0], q.shape[-1]
             q = q.new_zeros(b, 1, self.vocab_size).scatter(2, self.vocab_ids[None, None, :].expand(b, 1, v_d), q)
-        return d, q
+        return d, q, self._log_prob(logits, index)
+
+    def _log_prob(self, logits, index):  # type: ignore[no-untyped-def]
+        """log softmax(logits [B, 1, V]) at index [B, 1] -> [B, 1]; None without `confidence`."""
+        if self.confidence is None:
+            return None
+        return torch.log_softmax(logits, dim=-1).gather(2, index[..., None])[..., 0]
 
     def _token(self, index):  # type: ignore[no-untyped-def]
         """A draft-vocabulary index as the token id (the identity without a reduced vocabulary)."""
@@ -261,15 +303,16 @@ class DraftStepEngine(ModelDrafts):
         # catch-up: every committed token and the bonus; the logits at the bonus propose d'_1
         logits, kv = self._run(seq, cache_len[:, None] + idx, cache_len, kv)  # [B, T+1, V]
         last = logits.gather(1, committed[:, None, None].expand(b, 1, logits.shape[-1]))  # [B, 1, V]
-        d, q = self._propose(last, cache_len_out[:, None] + 1, params)
-        drafts, qs = [d], [q]  # [B, 1] and [B, 1, V] each
+        d, q, logp = self._propose(last, cache_len_out[:, None] + 1, params)
+        drafts, qs, logps = [d], [q], [logp]  # [B, 1], [B, 1, V] and [B, 1] each
         for i in range(1, self.num_draft):
             pos = cache_len_out[:, None] + i  # [B, 1] where d'_i goes
             logits, kv = self._run(drafts[-1], pos, pos[:, 0], kv)
-            d, q = self._propose(logits, pos + 1, params)
+            d, q, logp = self._propose(logits, pos + 1, params)
             drafts.append(d)
             qs.append(q)
-        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs)
+            logps.append(logp)
+        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs, logps)
 
     def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
         """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""
@@ -358,7 +401,8 @@ def build_draft_engine(gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter
     """The DraftStepEngine around the target graph `gm`, with `cfg.opts`' `num_draft` and `adaptive`."""
     engine = DraftStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
                              cfg.engine_samples, drafter=drafter, num_draft=cfg.opts.draft_count,
-                             vocab_size=anatomy.vocab_size, adaptive=cfg.opts.gated)  # fmt: skip
+                             vocab_size=anatomy.vocab_size, adaptive=cfg.opts.gated,
+                             confidence=cfg.opts.draft_confidence)  # fmt: skip
     # the target's weights follow --weights; the draft's are its own (quantised in `finish`)
     return Built(engine, {"weights_skip": "draft_gm.", "trained": drafter.trained})
 
@@ -394,6 +438,9 @@ def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], s
         summary += f" (--num-draft auto: {opts.auto_report['predicted_speedup']:.2f}x `none` predicted)"
         if opts.auto_report["predicted_speedup"] < 1:
             summary += "; drafting does not pay at any K on these prompts here"
+    if engine.confidence is not None:
+        section["confidence"] = engine.confidence
+        summary += f", sending the drafts whose joint drafter probability is {engine.confidence:g}+"
     if engine.adaptive:
         placeholder = Finished(section, draft_depth=engine.num_draft)
         section["adaptive"] = finish_adaptive(staging, engine, placeholder, measure, opts.adaptive_threshold)
@@ -459,6 +506,13 @@ def add_drafting_flags(group: Any) -> None:
         f"whose acceptance chooses K, {AUTO_LIMIT} prompts of each, {AUTO_TOKENS} new tokens (default {AUTO_PROMPTS})",
     )
     add_adaptive_flag(group)
+    group.add_argument(
+        "--draft-confidence", type=float, metavar="P",
+        help="draft, eagle, early-exit: each row sends only its leading drafts whose joint probability under the "
+        "drafter (the product of its probabilities for them) is at least P, so K drafts go to the target where the "
+        "drafter is sure and fewer where it is not; the drafter still runs K steps (default: send all K; not with "
+        "--adaptive or --num-draft auto). Lossless either way",
+    )  # fmt: skip
     draft_vocab.add_flags(group)
 
 

@@ -251,6 +251,10 @@ def test_choose_draft_count_weighs_acceptance_against_the_measured_round():
             {"num_draft": "auto", "adaptive": True, "adaptive_threshold": 5.0},
             r"between 0 and --num-draft \(4\)",
         ),
+        ("eagle", {"draft_confidence": 0.0}, r"--draft-confidence must be between 0 and 1 \(exclusive\)"),
+        ("draft", {"draft_confidence": 1.5}, r"--draft-confidence must be between 0 and 1 \(exclusive\)"),
+        ("eagle", {"draft_confidence": 0.3, "adaptive": True}, "cannot be combined with --adaptive"),
+        ("early-exit", {"draft_confidence": 0.3, "num_draft": "auto"}, "cannot be combined with --adaptive"),
     ],
 )
 def test_bad_draft_counts_are_refused(tiny_folder, tmp_path, method, options, message):

@@ -4,6 +4,7 @@ tokens inside the engine call; the output must be exactly the target's."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,64 @@ def test_adaptive_engine_is_lossless_and_an_idle_call_skips_the_drafter(tiny_fol
         assert out_values["n_draft"].numpy().tolist() == [drafts]
         written = state["draft_past_key_0"].numpy().any()
         assert written == (drafts > 0), (score, written)
+
+
+def test_confident_drafts_only_are_sent_and_the_output_is_unchanged(tiny_folder, trained, tmp_path):
+    """`--draft-confidence P`: each row sends the leading drafts whose joint drafter probability
+    is at least P (`n_draft`, which the host trims `next_tokens` by). The output is HF's greedy
+    output whatever P is; P near 0 sends all K, P near 1 none (every round one token)."""
+    import numpy as np
+
+    from specgraph.exporters.manifest import MANIFEST, sha256
+    from specgraph.exporters.onnx import set_initializer
+
+    out = tmp_path / "confident"
+    compile_model(CompileConfig.of(tiny_folder("llama"), out, "eagle", max_context=160, eagle=str(trained[1]),
+                                   num_draft=3, draft_confidence=0.3))  # fmt: skip
+    engine = Engine(out)
+    assert engine.manifest["eagle"]["confidence"] == 0.3
+    assert engine.manifest["graph"]["trims"] == {"next_tokens": "n_draft"}
+    model = build("llama")
+    sent, taus = {}, {}
+    for p in (0.3, 1e-12, 0.999999):
+        bundle = out if p == 0.3 else tmp_path / f"p{p}"
+        if p != 0.3:  # the same engine with another confidence (an initializer), manifest resealed
+            shutil.copytree(out, bundle)
+            set_initializer(bundle / "model.onnx", "draft_log_confidence", np.log(np.asarray([p], np.float32)))
+            manifest = json.loads((bundle / MANIFEST).read_text())
+            manifest["files"]["model.onnx"] = {"size": (bundle / "model.onnx").stat().st_size,
+                                               "sha256": sha256(bundle / "model.onnx")}  # fmt: skip
+            (bundle / MANIFEST).write_text(json.dumps(manifest))
+        live, counts, steps = Engine(bundle), set(), []
+        for prompt in PROMPTS:
+            feeds = live.first_feeds(np.asarray([prompt], np.int64), len(prompt), 0)
+            first = live.call(live.session.io_binding(), feeds, live.new_state(1))
+            counts.add(int(first["n_draft"].numpy()[0]))
+            result = live.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+            assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+            steps += result.accepted_per_step
+        sent[p], taus[p] = counts, sum(steps) / len(steps)
+    assert sent[1e-12] == {3} and sent[0.999999] == {0}, sent
+    assert taus[0.999999] == 1.0 and taus[1e-12] > 1.1, taus
+    batch = [PROMPTS[0][:7], PROMPTS[1], PROMPTS[2][:3]]
+    for row, result in zip(batch, engine.generate_batch(batch, max_new_tokens=32, stop_at_eos=False), strict=True):
+        assert result.output_ids == engine.generate(row, max_new_tokens=32, stop_at_eos=False).output_ids
+
+
+def test_the_confident_count_is_the_leading_drafts_above_the_joint_probability():
+    """`ModelDrafts._confident` by hand: drafts with probabilities 0.9, 0.5, 0.9 have joint
+    probabilities 0.9, 0.45, 0.405, so P = 0.5 sends one, P = 0.4 all three; a weak first draft
+    sends none, whatever follows it."""
+    import math
+
+    from specgraph.methods.draft import ModelDrafts
+
+    engine = ModelDrafts.__new__(ModelDrafts)
+    torch.nn.Module.__init__(engine)
+    logps = torch.log(torch.tensor([[0.9, 0.5, 0.9], [0.1, 0.99, 0.99]]))
+    for p, want in ((0.5, [1, 0]), (0.4, [3, 0]), (0.05, [3, 3]), (0.95, [0, 0])):
+        engine.register_buffer("draft_log_confidence", torch.tensor([math.log(p)]))
+        assert engine._confident(logps).tolist() == want, p
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])

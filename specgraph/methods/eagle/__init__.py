@@ -105,15 +105,16 @@ class EagleStepEngine(ModelDrafts):
         kv = list(state[:2])
         pred, kv = self._run(after, feature, cache_len[:, None] + idx, cache_len, kv)  # [B, T, H]
         last = pred.gather(1, (committed - 1)[:, None, None].expand(b, 1, h))  # [B, 1, H] the feature after the bonus
-        d, q = self._propose(self._readout(last), cache_len_out[:, None] + 1, params)
-        drafts, qs = [d], [q]
+        d, q, logp = self._propose(self._readout(last), cache_len_out[:, None] + 1, params)
+        drafts, qs, logps = [d], [q], [logp]
         for i in range(1, self.num_draft):
             pos = cache_len_out[:, None] + (i - 1)  # [B, 1] the entry (predicted feature, d'_i)
             last, kv = self._run(drafts[-1], last, pos, pos[:, 0], kv)
-            d, q = self._propose(self._readout(last), pos + 2, params)
+            d, q, logp = self._propose(self._readout(last), pos + 2, params)
             drafts.append(d)
             qs.append(q)
-        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs)
+            logps.append(logp)
+        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs, logps)
 
     def _readout(self, feature: torch.Tensor) -> torch.Tensor:
         """Logits [B, 1, V_d] of a feature [B, 1, H] (one 2-D product over the drafter's rows)."""
@@ -180,7 +181,8 @@ class EagleMethod(Method):
         engine = EagleStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
                                  cfg.engine_samples, drafter=drafter, embed_weight=str(embed.target),
                                  lm_head_weight=str(head.target), num_draft=cfg.opts.draft_count,
-                                 vocab_size=anatomy.vocab_size, adaptive=cfg.opts.gated)  # fmt: skip
+                                 vocab_size=anatomy.vocab_size, adaptive=cfg.opts.gated,
+                                 confidence=cfg.opts.draft_confidence)  # fmt: skip
         # the target's weights follow --weights; the drafter's follow --eagle-weights (in `finish`)
         return Built(engine, {"weights_skip": "draft_gm."})
 
