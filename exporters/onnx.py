@@ -18,6 +18,7 @@ import torch
 from specgraph.errors import ExportError
 from specgraph.exporters.gemm import matmul_to_gemm
 from specgraph.exporters.gqa import fuse_cached_attention
+from specgraph.exporters.greedy_skip import skip_draws_when_greedy
 from specgraph.exporters.rotary import fuse_rotary
 from specgraph.ops import ONNX_TRANSLATIONS
 from specgraph.sampling import ONNX_TRANSLATIONS as SAMPLING_TRANSLATIONS
@@ -108,6 +109,7 @@ def export_onnx(
         if draft_heads and getattr(engine, "draft_window", None) is None:
             caches["draft_past_key_"] = draft_heads
         fuse_cached_attention(path, caches, pad=frozenset({"past_key_"} if pad_steps else ()))
+    skip_draws_when_greedy(path)
     logger.debug("exported %s with %d inputs, %d outputs", path.name, len(inputs), len(outputs))
     return onnx.load(str(path), load_external_data=False)
 

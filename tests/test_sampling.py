@@ -256,6 +256,31 @@ def test_rule_ops_follow_the_reference_and_a_greedy_call_is_the_argmax(tmp_path)
     assert checked > 150
 
 
+@pytest.mark.parametrize(("method", "operators"), [("none", 1), ("lookup", 1), ("eagle", 5), ("draft", 5)])
+def test_a_greedy_call_skips_the_sampling_operators(method, operators, v8):
+    """exporters/greedy_skip.py: each sampling operator's nodes sit in the `then` branch of an
+    `If` on "some row samples", whose `else` branch is the argmax; only the few values another
+    operator shares stay outside (the greedy and sampled runs above and in the statistical tests
+    check both branches' results)."""
+    import onnx
+
+    from specgraph.exporters.greedy_skip import _CALL
+
+    get, _ = v8
+    graph = onnx.load(str(get(method).bundle / "model.onnx"), load_external_data=False).graph
+    nodes = list(graph.node)
+    for node in graph.node:  # an adaptive engine's drafter sits in its own gate (exporters/gate.py)
+        nodes += [n for a in node.attribute if a.name == "then_branch" and node.name == "draft_gate" for n in a.g.node]
+    gates = [n for n in nodes if n.op_type == "If" and n.name.endswith(".gate")]
+    assert len(gates) == operators, [n.name for n in gates]
+    for gate in gates:
+        branches = {a.name: a.g for a in gate.attribute}
+        assert len(branches["then_branch"].node) > 50
+        assert branches["else_branch"].node[0].op_type == "ArgMax"
+    fx = [next((p.value for p in n.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "") for n in nodes]
+    assert sum(bool(_CALL.match(f)) for f in fx) < 15 * operators  # what stays: a few shared values
+
+
 def test_reference_filter_matches_hugging_face_warpers():
     rng = np.random.default_rng(1)
     for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.6, 5, 1.0), (1.4, 0, 0.75), (0.9, 40, 0.9), (2.0, 1, 0.5)]:
