@@ -7,10 +7,10 @@ work starts and `replace_dir` / `write_file` at the end, which check again. The 
 - a path that does not exist is fine; missing parent folders are created when writing;
 - an existing path is replaced only if specgraph made it, as this kind of output (`_NOT_OURS`): a
   bundle folder whose manifest.json has a `format_version` and lists every file in the folder; a
-  heads file whose safetensors header carries specgraph's format; a bench report (JSON with
+  heads, drafter or adapter file whose safetensors header carries one of specgraph's formats; a bench report (JSON with
   `aggregate` and `per_prompt`, or `sets`); an advise report (JSON with `advice` and `sets`); a
   bench or advise plot (PNG whose Software text names the command); train's generation cache
-  (JSON with `key` and `sequences`);
+  (JSON with `key` and `sequences`) and feature cache (safetensors with specgraph's features format);
 - an empty folder may receive a bundle;
 - `force` also replaces an existing folder (bundle) or file (the file outputs) that specgraph did
   not make;
@@ -42,6 +42,7 @@ BENCH_JSON = "bench report"
 ADVICE_JSON = "advice report"
 PLOT = "plot"
 GEN_CACHE = "generation cache"
+FEATURE_CACHE = "feature cache"
 _FOLDERS = (BUNDLE,)
 _MAX_READ = 64 << 20  # a file specgraph made is far smaller; anything larger is not ours
 _MAX_ENTRIES = 10_000  # a bundle holds a handful of files
@@ -199,8 +200,25 @@ def _bundle(path: Path) -> str | None:
 
 
 def _heads(path: Path) -> str | None:
-    from specgraph.methods.medusa.heads import FORMAT
+    from specgraph.methods.eagle.drafter import FORMAT as EAGLE
+    from specgraph.methods.early_exit.adapter import FORMAT as EARLY_EXIT
+    from specgraph.methods.medusa.heads import FORMAT as MEDUSA
 
+    if _safetensors_format(path) not in (MEDUSA, EAGLE, EARLY_EXIT):
+        return "not a Medusa heads, EAGLE drafter or early-exit adapter file written by specgraph"
+    return None
+
+
+def _feature_cache(path: Path) -> str | None:
+    from specgraph.methods.eagle.train import FEATURES
+
+    if _safetensors_format(path) != FEATURES:
+        return "not a feature cache written by specgraph train"
+    return None
+
+
+def _safetensors_format(path: Path) -> Any:
+    """The `format` in a safetensors file's metadata (None if it has none or is not one)."""
     try:
         with path.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
@@ -208,9 +226,7 @@ def _heads(path: Path) -> str | None:
     except (OSError, struct.error, ValueError, RecursionError):
         header = None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        return "not a Medusa heads file written by specgraph"
-    return None
+    return meta.get("format") if isinstance(meta, dict) else None
 
 
 def _bench_json(path: Path) -> str | None:
@@ -263,6 +279,7 @@ _NOT_OURS: dict[str, Callable[[Path], str | None]] = {
     ADVICE_JSON: _advice_json,
     PLOT: _plot,
     GEN_CACHE: _gen_cache,
+    FEATURE_CACHE: _feature_cache,
 }
 
 

@@ -178,7 +178,7 @@ def test_train_refuses_to_overwrite_weights_and_folders(workdir, tripwire, capsy
     train = ["train", "model", "--prompts", "prompts.jsonl", "-o"]
     one_line_error(capsys, [*train, "model/model.safetensors"], "is inside")
     one_line_error(capsys, [*train, "src"], "is a folder")
-    one_line_error(capsys, [*train, "notes.txt"], "not a Medusa heads file")
+    one_line_error(capsys, [*train, "notes.txt"], "not a Medusa heads, EAGLE drafter or early-exit adapter file")
     one_line_error(capsys, [*train, "notes.txt/heads.safetensors"], "is a file, not a folder")
     (workdir / "heads.gen.json").write_text("my own json\n")
     one_line_error(capsys, [*train, "heads.safetensors"], "heads.gen.json", "not a generation cache")
@@ -282,7 +282,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert heads.read_bytes() != before
     other = tmp_path / "other.safetensors"
     other.write_bytes(b"\x08" + bytes(7) + b'{"a":1}')
-    with pytest.raises(OutputError, match="not a Medusa heads file"):
+    with pytest.raises(OutputError, match="not a Medusa heads, EAGLE drafter"):
         write_file(other, lambda tmp: save_heads(tmp, MedusaHeads(8, 3), {}), HEADS)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specgraph.compiler import CompileConfig, compile_model
-from specgraph.errors import InputError, ModelLoadError
+from specgraph.errors import InputError, ModelLoadError, OutputError
 from specgraph.loaders import load_model
 from specgraph.methods.eagle.drafter import EagleDrafter, Shape, load_drafter, save_drafter
 from specgraph.methods.eagle.train import train_eagle
@@ -125,6 +125,56 @@ def test_added_prompts_reuse_the_cached_replies(tiny_folder, tiny_bundle, tmp_pa
     assert asked == [line["prompt_ids"] for line in added] and not report["generation_cached"]
     cached = json.loads((tmp_path / "d.gen.json").read_text())["sequences"]
     assert cached[: len(first)] == first and len(cached) == len(first) + 3
+
+
+def test_the_distribution_loss_and_deeper_training_reuse_the_cached_features(tiny_folder, tiny_bundle, tmp_path,
+                                                                              monkeypatch):  # fmt: skip
+    """A rerun on the same text reads the teacher-forced features from `<name>.features.safetensors`
+    (no target pass); `--token-loss distribution` and `--train-depth 2` train from them; other text
+    recomputes them; a file there that specgraph did not make is not replaced."""
+    from specgraph.methods.eagle import train as eagle_train
+
+    common = dict(prompts=str(token_prompts(tmp_path)), max_new_tokens=16, epochs=1, batch_size=4, holdout=0.2,
+                  curve=1, threads=1, progress=False, engine_bundle=str(tiny_bundle("llama", "none")))  # fmt: skip
+    model, out = str(tiny_folder("llama")), tmp_path / "d.safetensors"
+    first = train_eagle(model, out, **common)
+    assert not first["features_cached"] and (tmp_path / "d.features.safetensors").is_file()
+    assert first["training"] == {"token_loss": "argmax", "depth": 1, "epochs": 1}
+    computed = eagle_train._features
+
+    def no_target_pass(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("the features should have come from the cache")
+
+    monkeypatch.setattr(eagle_train, "_features", no_target_pass)
+    deeper = train_eagle(model, out, token_loss="distribution", depth=2, **common)  # replaces its own drafter
+    assert deeper["features_cached"] and deeper["training"] == {"token_loss": "distribution", "depth": 2, "epochs": 1}
+    assert all(v == v and v < 100 for v in deeper["epoch_loss"]) and deeper["train_tokens"] == first["train_tokens"]
+    load_drafter(out, 64, VOCAB)
+    monkeypatch.setattr(eagle_train, "_features", computed)
+    other = train_eagle(model, out, **{**common, "max_new_tokens": 12})
+    assert not other["features_cached"] and other["train_tokens"] < first["train_tokens"]
+
+    # the cache gives back exactly what the target's passes gave
+    loaded = load_model(model)
+    seqs = {"train": [([5, 6, 7, 8, 9], 1), ([9, 8, 7], 0)], "held.chat": [([3, 4, 5, 6], 2)]}
+    fresh = lambda: {k: computed(loaded.hf_model, loaded.hf_model.get_output_embeddings(), v, 2, False, k, 1)  # noqa: E731
+                     for k, v in seqs.items()}  # fmt: skip
+    path, guard = tmp_path / "direct.features.safetensors", ([], False)
+    made, cached = eagle_train._cached_features(path, loaded, seqs, 1, fresh, guard, False)
+    again, cached_again = eagle_train._cached_features(path, loaded, seqs, 1, fresh, guard, False)
+    assert not cached and cached_again
+    for name in seqs:
+        for a, b in zip(made[name], again[name], strict=True):
+            assert a[3] == b[3] and all(torch.equal(x, y) for x, y in zip(a[:3] + a[4:], b[:3] + b[4:], strict=True))
+
+    (tmp_path / "e.features.safetensors").write_text("my notes")
+    with pytest.raises(OutputError, match="not a feature cache"):
+        train_eagle(model, tmp_path / "e.safetensors", **common)
+    assert (tmp_path / "e.features.safetensors").read_text() == "my notes"
+    with pytest.raises(InputError, match="--train-depth"):
+        train_eagle(model, tmp_path / "f.safetensors", depth=0, **common)
+    with pytest.raises(InputError, match="--token-loss"):
+        train_eagle(model, tmp_path / "f.safetensors", token_loss="soft", **common)
 
 
 def test_function_prompts_are_humaneval_shaped_stubs():

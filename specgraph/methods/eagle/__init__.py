@@ -149,6 +149,12 @@ class EagleMethod(Method):
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
         add_corpus_flags(group)
+        group.add_argument("--token-loss", choices=["argmax", "distribution"], default="argmax",
+                           help="eagle: the token term's target: the target's argmax (the default), or its whole "
+                                "distribution over the draft vocabulary (EAGLE's own loss)")  # fmt: skip
+        group.add_argument("--train-depth", type=int, default=1,
+                           help="eagle: also train on drafting from its own predicted features, this many steps deep "
+                                "(1 to 4; default 1: from the target's only). Each step costs one more pass a batch")  # fmt: skip
 
     def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
         from specgraph.methods.eagle.train import train_eagle
@@ -156,7 +162,8 @@ class EagleMethod(Method):
         return train_eagle(model=args.model, output=args.output, prompts=args.prompts, corpus_mb=args.corpus_mb,
                            max_new_tokens=args.max_new_tokens or 128, epochs=args.epochs or 2, seq_len=args.seq_len,
                            curve=args.curve, threads=args.threads, progress=progress, command=command,
-                           force=args.force, samples=args.samples, functions=args.function_prompts)  # fmt: skip
+                           force=args.force, samples=args.samples, functions=args.function_prompts,
+                           token_loss=args.token_loss, depth=args.train_depth)  # fmt: skip
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> EagleDrafter:
         opts: EagleOptions = cfg.opts

@@ -9,10 +9,15 @@
 2. One no-grad pass of the HF model per batch of sequences: the LM head's input (the feature,
    after the final norm) at every position, and the target's argmax token there.
 3. Only the drafter learns. Entry j = (feature f_j + noise, embedding of x_{j+1}) predicts f_{j+1}:
-   loss = SmoothL1(f', f_{j+1}) + CE_WEIGHT * CE(readout(f'), argmax at j+1), the readout being the
-   rows of the target's LM head for the reduced draft vocabulary (a target token outside it is
-   ignored by the loss and counted as a miss). Noise on the input features (EAGLE's remedy for
-   drafting from its own, imperfect features) and AdamW with cosine decay.
+   loss = SmoothL1(f', f_{j+1}) + CE_WEIGHT * CE(readout(f'), token target at j+1), the readout
+   being the rows of the target's LM head for the reduced draft vocabulary. The token target is
+   the target's argmax (`token_loss="argmax"`; a token outside the draft vocabulary is ignored by
+   the loss and counted as a miss) or its whole distribution over the draft vocabulary
+   (`"distribution"`, EAGLE's own classification loss: the readout of f_{j+1}). With `depth` 2 or
+   more the drafter also trains on what it meets when drafting further (EAGLE-3's "training-time
+   test"): pass d reads the features pass d - 1 predicted, shifted by one entry, and its loss is
+   added. Noise on the input features (EAGLE's remedy for drafting from its own, imperfect
+   features) and AdamW with cosine decay.
 4. Held-out acceptance by depth: depth 1 drafts from the target's true features, depth 2 from the
    drafter's own predicted ones (as every later draft step does); the chain's expected tokens per
    round follow from them. Measured `--curve` times during training: acceptance against training
@@ -21,6 +26,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import sys
@@ -31,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specgraph import corpus, draft_vocab
@@ -40,11 +49,14 @@ from specgraph.loaders import load_model, load_tokenizer
 from specgraph.methods.eagle.drafter import EagleDrafter, Shape, save_drafter
 from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.methods.medusa.train import SAMPLE_PARAMS, _cache_path, _generate, _inputs, _split
-from specgraph.outputs import GEN_CACHE, HEADS, check_output, write_file
+from specgraph.outputs import FEATURE_CACHE, GEN_CACHE, HEADS, check_output, write_file
 
 CE_WEIGHT = 0.3  # the token loss beside the feature regression
 NOISE = 0.1  # std of the Gaussian noise on input features, relative to their RMS
 IGNORE = -100
+TOKEN_LOSSES = ("argmax", "distribution")
+FEATURES = "specgraph-features-1"  # the feature cache's format (`_cached_features`)
+MAX_DEPTH = 4  # training passes (`Schedule.depth`): the engine drafts at most a few tokens deep
 
 
 def train_eagle(
@@ -68,16 +80,19 @@ def train_eagle(
     force: bool = False,
     samples: int = 0,
     functions: int = 0,
+    token_loss: str = "argmax",
+    depth: int = 1,
 ) -> dict[str, Any]:
     """Train an EAGLE drafter for `model` and save it to `output` (safetensors). Returns its meta
     plus the losses and timings. `draft_vocab_size`: tokens the readout scores (None: the
     default reduced vocabulary where the model has a ranking, else all; 0: all). `engine_bundle`:
     a compiled `none` bundle of the model to generate the replies with (default: one is compiled).
     `samples`: sampled replies per training prompt beside the greedy one; `functions`: code requests
-    made from the standard library's documented functions, answered by the target (`Text`)."""
+    made from the standard library's documented functions, answered by the target (`Text`).
+    `token_loss`, `depth`: what the drafter learns from (`Schedule`)."""
     text = Text(prompts, corpus_mb, max_new_tokens, seq_len, holdout, seed, samples, functions)
-    inputs, output = check_run(model, output, text, Schedule(epochs, lr, batch_size, curve), threads, engine_bundle,
-                               force)  # fmt: skip
+    schedule = Schedule(epochs, lr, batch_size, curve, token_loss, depth)
+    inputs, output = check_run(model, output, text, schedule, threads, engine_bundle, force)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     timings: dict[str, float] = {}
@@ -99,8 +114,7 @@ def train_eagle(
 
         drafter = EagleDrafter(Shape.for_model(hf.config, hidden, vocab))
         t0 = time.perf_counter()
-        losses, points = _train(drafter, embed, readout, index, train, held, epochs, lr, batch_size, curve, rng,
-                                progress)  # fmt: skip
+        losses, points = _train(drafter, embed, readout, index, train, held, schedule, rng, progress)
         timings["train_s"] = time.perf_counter() - t0
     finally:
         torch.set_num_threads(old_threads)
@@ -115,6 +129,7 @@ def train_eagle(
         "train_tokens": train_tokens,
         "corpus": corpus_meta(text, info),
         "draft_vocab": teacher.vocab_meta(),
+        "training": {"token_loss": token_loss, "depth": depth, "epochs": epochs},
         "curve": points,
         "command": command or f"specgraph train --method eagle {model} -o {output}",
     }
@@ -162,7 +177,7 @@ def save_and_report(output: Path, save: Callable[[Path], None], meta: dict[str, 
     the held-out curve with `curve` (None: quietly)."""
     write_file(output, save, HEADS, *guard)
     result = {**meta, "epoch_loss": [round(v, 5) for v in losses], "generation_cached": info["cached"],
-              "timings": {k: round(v, 2) for k, v in timings.items()}}  # fmt: skip
+              "features_cached": info["features_cached"], "timings": {k: round(v, 2) for k, v in timings.items()}}  # fmt: skip
     if curve is not None:
         print(curve(result), file=sys.stderr)
     return result
@@ -190,6 +205,8 @@ class Schedule:
     lr: float = 1e-3
     batch_size: int = 8
     curve: int = 4  # held-out evaluations while training
+    token_loss: str = "argmax"  # EAGLE: the token term's target, "argmax" or "distribution" (TOKEN_LOSSES)
+    depth: int = 1  # EAGLE: passes per batch, each drafting from the previous pass's features
 
 
 def check_run(model: str, output: str | Path, text: Text, schedule: Schedule, threads: int, engine_bundle: str | None,
@@ -199,9 +216,14 @@ def check_run(model: str, output: str | Path, text: Text, schedule: Schedule, th
             or not schedule.lr > 0 or min(text.corpus_mb, text.samples, text.functions) < 0:  # fmt: skip
         raise InputError("epochs, batch size, threads and --curve must be at least 1, --seq-len at least 8, "
                          "lr positive and --corpus-mb, --samples and --function-prompts not negative")  # fmt: skip
+    if schedule.token_loss not in TOKEN_LOSSES:
+        raise InputError(f"--token-loss must be one of {', '.join(TOKEN_LOSSES)}, got {schedule.token_loss!r}")
+    if not 1 <= schedule.depth <= MAX_DEPTH:
+        raise InputError(f"--train-depth must be 1 to {MAX_DEPTH}, got {schedule.depth}")
     inputs = _inputs(model, text.prompts, engine_bundle)
     path = check_output(output, HEADS, inputs, force)
     check_output(_cache_path(path), GEN_CACHE, inputs, force)
+    check_output(feature_cache_path(path), FEATURE_CACHE, inputs, force)
     return inputs, path
 
 
@@ -250,13 +272,72 @@ def teacher_sets(model: str, loaded: Any, text: Text, output: Path, batch_size: 
         held_text["code"] = held_code
 
     t0 = time.perf_counter()
-    train = _features(hf, lm_head, train_text + train_code, batch_size, progress, "features (train)", layer)
-    held = {name: _features(hf, lm_head, seqs, batch_size, progress, f"features (held-out {name})", layer)
-            for name, seqs in held_text.items()}  # fmt: skip
+    sets = {"train": train_text + train_code, **{f"held.{name}": seqs for name, seqs in held_text.items()}}
+    computed = lambda: {name: _features(hf, lm_head, seqs, batch_size, progress,  # noqa: E731
+                                        "features (train)" if name == "train" else f"features (held-out {name[5:]})",
+                                        layer) for name, seqs in sets.items()}  # fmt: skip
+    features, features_cached = _cached_features(feature_cache_path(output), loaded, sets, layer, computed, guard,
+                                                 progress)  # fmt: skip
+    train = features.pop("train")
+    held = {name[5:]: entries for name, entries in features.items()}
     timings = {"text_s": text_s, "features_s": time.perf_counter() - t0}
     info = {"chats": len(train_text), "windows": len(train_code), "files": files, "cached": cached,
-            "functions": len(asked), "timings": timings}  # fmt: skip
+            "features_cached": features_cached, "functions": len(asked), "timings": timings}  # fmt: skip
     return train, held, info
+
+
+def feature_cache_path(output: Path) -> Path:
+    """`drafter.safetensors` -> `drafter.features.safetensors`: the teacher-forced features, reused by a
+    rerun on the same text (another loss, depth or schedule) instead of an hour of target passes."""
+    return output.with_name(output.name.split(".")[0] + ".features.safetensors")
+
+
+def _cached_features(path: Path, loaded: Any, sets: dict[str, list[Any]], layer: int | None,
+                     computed: Callable[[], dict[str, list[Any]]], guard: tuple[Any, bool],
+                     progress: bool) -> tuple[dict[str, list[Any]], bool]:  # fmt: skip
+    """`_features` of every set, from `path` when it holds them for exactly these token sequences
+    of this model (and `layer`), else `computed()` and then kept there; (them, whether cached)."""
+    key = hashlib.sha256(json.dumps([loaded.name, model_fingerprint(loaded), layer]).encode())
+    for name, seqs in sets.items():
+        key.update(json.dumps([name, [[list(ids), first] for ids, first in seqs]]).encode())
+    digest = key.hexdigest()
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("key") == digest:
+                    return {name: _unpack(f, name, len(seqs)) for name, seqs in sets.items()}, True
+        except Exception:  # noqa: BLE001 - a damaged or foreign cache is recomputed, and replaced only if ours
+            pass
+    features = computed()
+    tensors = {k: v for name, entries in features.items() for k, v in _pack(name, entries).items()}
+    write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FEATURES, "key": digest}),
+               FEATURE_CACHE, *guard)  # fmt: skip
+    if progress:
+        size = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6
+        print(f"kept the features in {path} ({size:.0f} MB) for a rerun on the same text", file=sys.stderr)
+    return features, False
+
+
+def _pack(name: str, entries: list[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
+    """`_features` entries of one set as flat tensors (tokens, features, argmax, [hidden]) with lengths."""
+    packed = {f"{name}.lengths": torch.tensor([len(e[0]) for e in entries], dtype=torch.int64),
+              f"{name}.first": torch.tensor([e[3] for e in entries], dtype=torch.int64),
+              f"{name}.tokens": torch.cat([e[0] for e in entries]), f"{name}.features": torch.cat([e[1] for e in entries]),
+              f"{name}.top": torch.cat([e[2] for e in entries])}  # fmt: skip
+    if entries and len(entries[0]) > 4:
+        packed[f"{name}.hidden"] = torch.cat([e[4] for e in entries])
+    return {k: v.contiguous() for k, v in packed.items()}
+
+
+def _unpack(f: Any, name: str, count: int) -> list[tuple[Any, ...]]:
+    """The entries `_pack` wrote for set `name` (views of the loaded tensors)."""
+    lengths = f.get_tensor(f"{name}.lengths").tolist()
+    if len(lengths) != count:
+        raise ValueError(f"{name}: {len(lengths)} sequences cached, {count} asked for")
+    kinds = ("tokens", "features", "top") + (("hidden",) if f"{name}.hidden" in f.keys() else ())
+    tokens, feats, top, *hidden = (f.get_tensor(f"{name}.{k}").split(lengths) for k in kinds)
+    firsts = f.get_tensor(f"{name}.first").tolist()
+    return [(tokens[i], feats[i], top[i], firsts[i], *(h[i] for h in hidden)) for i in range(count)]
 
 
 def corpus_meta(text: Text, info: dict[str, Any]) -> dict[str, str]:
@@ -358,16 +439,29 @@ def _batch(embed, index, seqs, noise):  # type: ignore[no-untyped-def]
     return emb, feat, goal, label, real
 
 
-def _train(drafter, embed, readout, index, train, held, epochs, lr, batch_size, curve, rng, progress):  # type: ignore[no-untyped-def]
+def _train(drafter, embed, readout, index, train, held, schedule, rng, progress):  # type: ignore[no-untyped-def]
+    soft = schedule.token_loss == "distribution"
+
     def loss_of(batch):  # type: ignore[no-untyped-def]
         emb, feat, goal, label, real = _batch(embed, index, batch, NOISE)
-        pred = drafter.sequence(emb, feat)
-        reg = torch.nn.functional.smooth_l1_loss(pred[real], goal[real])
-        ce = torch.nn.functional.cross_entropy((pred @ readout.T)[real], label[real], ignore_index=IGNORE)
-        return reg + CE_WEIGHT * ce, int(real.sum())
+        wanted = torch.softmax(goal @ readout.T, dim=-1) if soft else label  # [b, W, V_d] or [b, W]
+        total, inputs = 0.0, feat
+        for d in range(schedule.depth):  # pass d drafts d + 1 deep: entry j reads pass d - 1's f'_j
+            pred = drafter.sequence(emb, inputs)
+            counted = real.clone()
+            counted[:, :d] = False
+            reg = torch.nn.functional.smooth_l1_loss(pred[counted], goal[counted])
+            logits = (pred @ readout.T)[counted]
+            if soft:
+                ce = -(wanted[counted] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            else:
+                ce = torch.nn.functional.cross_entropy(logits, label[counted], ignore_index=IGNORE)
+            total = total + reg + CE_WEIGHT * ce
+            inputs = torch.cat([feat[:, :1], pred[:, :-1]], dim=1)
+        return total / schedule.depth, int(real.sum())
 
-    evaluate = lambda: _evaluate(drafter, embed, readout, index, held, batch_size)  # noqa: E731
-    return fit(drafter, loss_of, evaluate, train, Schedule(epochs, lr, batch_size, curve), rng, progress)
+    evaluate = lambda: _evaluate(drafter, embed, readout, index, held, schedule.batch_size)  # noqa: E731
+    return fit(drafter, loss_of, evaluate, train, schedule, rng, progress)
 
 
 def fit(module: torch.nn.Module, loss_of: Callable[[list[Any]], tuple[torch.Tensor, int]],
