@@ -111,6 +111,7 @@ def write_file(target: Path, write: Callable[[Path], Any], kind: str, inputs: In
     try:
         tmp.chmod(0o666 & ~_UMASK)
         write(tmp)
+        tmp.chmod(0o666 & ~_UMASK)  # a writer that makes the file anew (safetensors) leaves mkstemp's 0600
         check_output(target, kind, inputs, force)
         _swap_in(tmp, target)
     finally:

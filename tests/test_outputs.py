@@ -280,6 +280,9 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert heads.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["h.safetensors"]
     write_file(heads, lambda tmp: save_heads(tmp, MedusaHeads(8, 3), {"model": "y"}), HEADS)  # ours: replaced
     assert heads.read_bytes() != before
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert heads.stat().st_mode & 0o777 == 0o666 & ~mask  # as any new file, not the temporary name's 0600
     other = tmp_path / "other.safetensors"
     other.write_bytes(b"\x08" + bytes(7) + b'{"a":1}')
     with pytest.raises(OutputError, match="not a Medusa heads, EAGLE drafter"):
