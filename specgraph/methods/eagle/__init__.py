@@ -148,13 +148,15 @@ class EagleMethod(Method):
         add_drafting_flags(group)
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
+        from specgraph.methods.eagle.train import MAX_DEPTH, TOKEN_LOSSES
+
         add_corpus_flags(group)
-        group.add_argument("--token-loss", choices=["argmax", "distribution"], default="argmax",
+        group.add_argument("--token-loss", choices=TOKEN_LOSSES, default=TOKEN_LOSSES[0],
                            help="eagle: the token term's target: the target's argmax (the default), or its whole "
                                 "distribution over the draft vocabulary (EAGLE's own loss)")  # fmt: skip
         group.add_argument("--train-depth", type=int, default=1,
                            help="eagle: also train on drafting from its own predicted features, this many steps deep "
-                                "(1 to 4; default 1: from the target's only). Each step costs one more pass a batch")  # fmt: skip
+                                f"(1 to {MAX_DEPTH}; default 1: from the target's only). Each step costs one more pass a batch")  # fmt: skip
 
     def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
         from specgraph.methods.eagle.train import train_eagle
