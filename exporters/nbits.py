@@ -10,7 +10,10 @@ so the offsets collect in one per-block term, added as a small product with the 
 
 `accuracy_level=1` multiplies in float32, so the product equals the dequantised weight's to float
 rounding (this is `--activations fp32`); `accuracy_level=4` quantises x to int8 per block first
-(`--activations int8`: faster, a different model). An embedding table whose rows are the same
+(`--activations int8`: faster, a different model). With `native` kernels (`--kernels native`,
+float32 activations only) each product is instead one `specgraph.BlockMatMul` node over the same
+digit buffers, scales and c' (`host/src/kernels/`, specgraph's own ONNX Runtime operator library):
+the same sum in float32, the offset term included, in one node. An embedding table whose rows are the same
 blocks (a tied LM head) is gathered from the same digit buffers and dequantised in the graph:
 the engine holds no float copy of a quantised weight.
 """
@@ -38,6 +41,7 @@ class NBitsReport:
     """What the rewrite changed, for the compile report and the manifest."""
 
     matmuls: int = 0
+    native: int = 0  # of the matmuls, those run by specgraph.BlockMatMul
     gathers: int = 0
     formats: dict[str, int] = field(default_factory=dict)  # weights per stored format
     float_bytes: int = 0  # fp32 bytes of the weights replaced
@@ -55,8 +59,14 @@ class _Digits:
     offset: str | None  # float32 c'^T [K/block, N], None when every c' is zero
 
 
-def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int, tables: str | None = None) -> NBitsReport:
+NATIVE_DOMAIN = "specgraph"  # the operator domain of host/src/kernels/ort_op.cpp
+
+
+def run_weights_as_blocks(
+    path: Path, lookup: Lookup, accuracy_level: int, tables: str | None = None, native: bool = False
+) -> NBitsReport:
     """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None.
+    `native`: products whose blocks the native kernel takes become `specgraph.BlockMatMul` nodes.
     An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), or when
     its table's name starts with `tables` (a drafter's, whose ids are computed in the graph)."""
     model = onnx.load(str(path))
@@ -94,7 +104,11 @@ def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int, table
                     flatten, unflatten = wrapped[node.name]
                     x, y = flatten.input[0], unflatten.output[0]
                     dropped.update((flatten.name, unflatten.name))
-                new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
+                if native and all(_native_fits(r) for r in runs):
+                    new_nodes += _native_nodes(node.name, x, y, runs)
+                    report.native += 1
+                else:
+                    new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
                 report.matmuls += 1
                 continue
         table = node.input[0] if node.op_type == "Gather" else ""
@@ -112,8 +126,9 @@ def run_weights_as_blocks(path: Path, lookup: Lookup, accuracy_level: int, table
     del graph.node[:]
     graph.node.extend(n for n in new_nodes if n.name not in dropped or not n.name)
     drop_dead(graph)
-    if "com.microsoft" not in {o.domain for o in model.opset_import}:
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    for domain in ("com.microsoft", NATIVE_DOMAIN) if report.native else ("com.microsoft",):
+        if domain not in {o.domain for o in model.opset_import}:
+            model.opset_import.append(helper.make_opsetid(domain, 1))
     data = path.name + ".data"
     (path.parent / data).unlink(missing_ok=True)
     onnx.save_model(
@@ -201,6 +216,30 @@ def _matmul_nodes(name: str, x: str, y: str, runs: list[_Digits], level: int, bl
             nodes.append(helper.make_node("MatMul", [bsum, run.offset], [t], name=f"{name}.r{i}.c"))
             terms.append(t)
         outs.append(_sum(terms, f"{y}.r{i}" if len(runs) > 1 else y, nodes))
+    if len(runs) > 1:
+        nodes.append(helper.make_node("Concat", outs, [y], name=f"{name}.concat", axis=-1))
+    return nodes
+
+
+def _native_fits(run: _Digits) -> bool:
+    """The native kernel takes one or two 4-bit digits in blocks of a multiple of 16 inputs."""
+    return len(run.digits) in (1, 2) and run.block % 16 == 0
+
+
+def _native_nodes(name: str, x: str, y: str, runs: list[_Digits]) -> list[onnx.NodeProto]:
+    """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, the unit scale (the
+    low digit's), c'^T or "", low digit or "")."""
+    nodes: list[onnx.NodeProto] = []
+    outs = []
+    for i, run in enumerate(runs):
+        out = f"{y}.r{i}" if len(runs) > 1 else y
+        (high, high_scale), low = run.digits[0], run.digits[1] if len(run.digits) == 2 else None
+        inputs = [x, high, low[1] if low else high_scale, run.offset or "", low[0] if low else ""]
+        while inputs[-1] == "":
+            inputs.pop()
+        nodes.append(helper.make_node("BlockMatMul", inputs, [out], name=f"{name}.r{i}", domain=NATIVE_DOMAIN,
+                                      K=run.cols, N=run.rows, block_size=run.block))  # fmt: skip
+        outs.append(out)
     if len(runs) > 1:
         nodes.append(helper.make_node("Concat", outs, [y], name=f"{name}.concat", axis=-1))
     return nodes

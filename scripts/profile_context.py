@@ -17,6 +17,7 @@ from collections import defaultdict
 import numpy as np
 import onnxruntime as ort
 
+from specgraph.kernels import register, uses_native
 from specgraph.runtime import Engine
 from specgraph.timing import time_call
 
@@ -27,6 +28,8 @@ def profile(engine: Engine, context: int, threads: int, calls: int = 20) -> dict
     options.enable_profiling = True
     options.log_severity_level = 3
     options.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "p")
+    if uses_native(engine.manifest):
+        register(options, engine.bundle)
     engine.session = ort.InferenceSession(str(engine.bundle / "model.onnx"), options)
     time_call(engine, 1, context, repeats=calls)  # one warm-up call, then `calls` timed ones
     events = json.load(open(engine.session.end_profiling()))

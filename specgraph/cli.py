@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from specgraph.errors import InputError, SpecgraphError
+from specgraph.kernels import KERNELS
 
 EXIT_USAGE = 2
 _TOP_K_MAX = 2**31 - 1  # the engine's top_k input is int64; no vocabulary comes near this
@@ -145,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp32 (default): multiply in float32, exact against the weights. int8: quantise activations per "
         "block for integer dot products: faster, a slightly different model (its speculative engines still "
         "match its own none engine)",
+    )
+    c.add_argument(
+        "--kernels",
+        default="ort",
+        choices=list(KERNELS),
+        help="ort (default): quantised products are ONNX Runtime's MatMulNBits, which any ONNX Runtime runs. "
+        "native: specgraph's own operator (built by scripts/install.sh), the same float32 sum in one node, "
+        "faster on CPUs without AVX-512 and for multi-token verify calls; the bundle then needs that library",
     )
     c.add_argument(
         "--block-size", type=_positive, default=32, help="int8/int4: weights per quantisation block (default 32)"
@@ -328,7 +337,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from specgraph.compiler import CompileConfig, compile_model, passes_for
 
     shared = dict(max_context=args.max_context, emit_logits=args.emit_logits, sampling=not args.no_sampling,
-                  force=args.force, weights=args.weights, activations=args.activations,
+                  force=args.force, weights=args.weights, activations=args.activations, kernels=args.kernels,
                   block_size=args.block_size, attention=args.attention)  # fmt: skip
     if args.method == "auto":
         return _compile_auto(args, shared)

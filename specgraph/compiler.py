@@ -65,6 +65,7 @@ class CompileConfig:
     weights: str = "source"  # source | fp32 | int8 | int4 (see specgraph/weights.py)
     activations: str = "fp32"  # fp32 (exact against the weights) | int8 (MatMulNBits accuracy level 4)
     block_size: int = 32  # int8 / int4: weights per quantisation block
+    kernels: str = "ort"  # ort (MatMulNBits: any ONNX Runtime) | native (specgraph.BlockMatMul, specgraph/kernels.py)
     attention: str = "fused"  # fused (ONNX Runtime's GroupQueryAttention where it fits) | portable (standard ONNX only)
     force: bool = False  # replace an existing output specgraph did not make (see specgraph/outputs.py)
     options: Options | None = None  # the method's settings; None = its defaults
@@ -102,7 +103,7 @@ class CompileConfig:
         if not 16 <= self.max_context <= 131072:
             raise InputError(f"--max-context must be between 16 and 131072, got {self.max_context}")
         self.opts.check()
-        check_weights(self.weights, self.activations, self.block_size)
+        check_weights(self.weights, self.activations, self.block_size, self.kernels)
 
     @property
     def inputs(self) -> list[str | Path | None]:
@@ -240,7 +241,7 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
     times["export"] = times.get("export", 0.0) + time.perf_counter() - t0
     t0 = time.perf_counter()
     weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
-                            skip=built.meta.get("weights_skip"))  # fmt: skip
+                            skip=built.meta.get("weights_skip"), kernels=cfg.kernels)  # fmt: skip
     times["weights"] = times.get("weights", 0.0) + time.perf_counter() - t0
     tokenizer = _copy_tokenizer(loaded, staging)
     inputs, outputs = engine.io_names()

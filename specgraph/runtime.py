@@ -25,6 +25,7 @@ import onnxruntime as ort
 from specgraph import sampling
 from specgraph.errors import BundleError, InputError
 from specgraph.exporters.manifest import read_manifest
+from specgraph.kernels import register, uses_native
 from specgraph.sampling import SamplingParams, uniform_stream
 from specgraph.step import MAX_BATCH
 
@@ -126,6 +127,8 @@ class Engine:
         if threads:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3  # TensorScatter logs each non-in-place copy as a warning
+        if uses_native(self.manifest):
+            register(options, self.bundle)
         graph = self.bundle / self.manifest["graph"]["file"]
         try:
             # read_config_from_model=0: session options are ours, never the bundle's (ORT_LOAD_CONFIG_FROM_MODEL)

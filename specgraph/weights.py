@@ -9,6 +9,8 @@
 - `int8` / `int4`: weight-only symmetric round-to-nearest blocks of `--block-size` inputs, made
   here from a float source. A GGUF is already quantised: requantising it is refused (it would
   quantise twice and change the model for no gain), use `source`.
+- `--kernels native`: the block products run as specgraph's own operator (`specgraph/kernels.py`)
+  instead of MatMulNBits plus an offset term; the same float32 sum, for `--activations fp32`.
 - `--activations int8`: MatMulNBits quantises each row of activations to int8 per block before
   its integer dot products (accuracy level 4). A different, faster model: its speculative engines
   still equal its own `none` engine token for token.
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from specgraph.errors import InputError
+from specgraph.kernels import KERNELS, check_available
 
 WEIGHTS = ("source", "fp32", "int8", "int4")
 ACTIVATIONS = ("fp32", "int8")
@@ -30,7 +33,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 _ACCURACY = {"fp32": 1, "int8": 4}  # MatMulNBits accuracy_level
 
 
-def check_weights(weights: str, activations: str, block_size: int) -> None:
+def check_weights(weights: str, activations: str, block_size: int, kernels: str = "ort") -> None:
     if weights not in WEIGHTS:
         raise InputError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
     if activations not in ACTIVATIONS:
@@ -39,6 +42,14 @@ def check_weights(weights: str, activations: str, block_size: int) -> None:
         raise InputError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size}")
     if activations == "int8" and weights == "fp32":
         raise InputError("--activations int8 needs quantised weights: --weights source (a GGUF), int8 or int4")
+    if kernels not in KERNELS:
+        raise InputError(f"unknown --kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
+    if kernels == "native":
+        if activations != "fp32":
+            raise InputError("--kernels native multiplies in float32: it needs --activations fp32")
+        if weights == "fp32":
+            raise InputError("--kernels native runs quantised weights: it needs --weights source, int8 or int4")
+        check_available()
 
 
 def gguf_file(model: str | Path) -> Path | None:
@@ -85,6 +96,7 @@ def store_weights(
     block_size: int,
     progress: Callable[[str], None] | None = None,
     skip: str | None = None,
+    kernels: str = "ort",
 ) -> dict[str, Any]:
     """Rewrite the exported engine's matrices for `weights`; return the manifest's `weights` section.
     Initializers whose names start with `skip` (a drafter's own weights) are left as they are."""
@@ -112,7 +124,7 @@ def store_weights(
         section["stored"] = "float32"
         return section
     say("store weights as blocks")
-    report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations])
+    report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations], native=kernels == "native")
     section.update(
         stored="blocks",
         matmuls=report.matmuls,
@@ -121,6 +133,8 @@ def store_weights(
         float32_bytes=report.float_bytes,
         block_bytes=report.stored_bytes,
         exact=activations == "fp32",
+        kernels=kernels,
+        native_matmuls=report.native,
     )
     return section
 

@@ -388,3 +388,20 @@ def test_default_model_same_tokens_as_python(host, ort_lib, smollm2):
             for setting in ((0.0, 0, 1.0, None), (0.7, 0, 0.9, 100)):
                 got = _generate(host, ort_lib, bundle, prompt, 48, setting, True, "--threads", 2)
                 _assert_same(got, _python(engines[method], prompt, 48, setting))
+
+
+def test_native_kernel_bundle_runs_in_the_host_as_in_python(host, ort_lib, tiny_folder, tmp_path):
+    """A `--kernels native` bundle: the host loads libspecgraph_kernels.so from its own build (never
+    from the bundle) and generates what Python generates; without the library, one line and exit 7."""
+    bundle = tmp_path / "native"
+    specgraph.compile(tiny_folder("llama"), bundle, method="lookup", max_context=160, weights="int4",
+                      kernels="native")  # fmt: skip
+    engine = Engine(bundle, threads=1)
+    for prompt in PROMPTS:
+        for setting in SETTINGS[:2]:
+            got = _generate(host, ort_lib, bundle, prompt, 24, setting)
+            want = _python(engine, prompt, 24, setting)
+            assert {k: got[k] for k in COMPARED} == {k: want[k] for k in COMPARED}
+    done = _run(host["specgraph-host"], bundle, "--prompt-ids", "1,2", "--ort-lib", ort_lib,
+                env={"SPECGRAPH_KERNELS_LIB": str(tmp_path / "absent.so")})  # fmt: skip
+    assert done.returncode == 7 and len(done.stderr.strip().splitlines()) == 1 and "native kernels" in done.stderr

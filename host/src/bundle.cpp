@@ -456,6 +456,10 @@ Manifest read_bundle(const std::string& bundle, bool verify) {
     s.object(*sampling, "sampling");
     m.sampling = true;
   }
+  if (const Value* w = doc.find("weights"); w && w->kind == Value::kObject) {
+    const Value* kernels = w->find("kernels");
+    m.native_kernels = kernels && kernels->kind == Value::kString && kernels->string == "native";
+  }
   const Value& graph = s.object(s.get(doc, "graph", "graph"), "graph");
   m.graph_file = s.path(s.get(graph, "file", "graph.file"), "graph.file");
   std::string weights;

@@ -41,6 +41,7 @@ struct Manifest {
   std::vector<std::string> in_place;                          // outputs written into their bound input
   std::vector<Constant> constants;                            // inputs fed from the manifest's data
   int64_t extra_slots = 0;                                    // cache slots a call writes beyond its tokens
+  bool native_kernels = false;  // weights.kernels == "native": needs libspecgraph_kernels.so (docs/host.md)
 
   const TensorSpec* input(const std::string& name) const;
   const TensorSpec* output(const std::string& name) const;

@@ -2,6 +2,7 @@
 // specgraph/runtime.py's Engine.generate_batch for one row.
 #include "engine.h"
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +24,21 @@ namespace {
 
 const char* kSamplingInputs[] = {"temperature", "top_k", "top_p", "uniforms"};
 const char* kRead[] = {"accepted", "n_accepted", "next_tokens", "cache_len_out"};
+
+// specgraph's operator library: $SPECGRAPH_KERNELS_LIB, else libspecgraph_kernels.so beside the
+// binary that holds this code (host/build/, where the same CMake build puts both).
+std::string kernels_library() {
+  const char* env = std::getenv("SPECGRAPH_KERNELS_LIB");
+  if (env && *env) return env;
+  Dl_info info{};
+  std::string dir = ".";
+  if (dladdr(reinterpret_cast<void*>(&kernels_library), &info) && info.dli_fname) {
+    std::string self = info.dli_fname;
+    size_t slash = self.rfind('/');
+    if (slash != std::string::npos) dir = self.substr(0, slash);
+  }
+  return dir + "/libspecgraph_kernels.so";
+}
 
 size_t element_size(int type) { return type == ort::kFloat ? 4 : type == ort::kInt64 ? 8 : 1; }
 
@@ -131,6 +147,12 @@ Engine::Engine(const std::string& bundle, const sg_load_options& options) {
       ort::check(api, api.SetIntraOpNumThreads(so, options.threads), SG_ERR_RUNTIME, "session options");
     }
     ort::check(api, api.SetInterOpNumThreads(so, 1), SG_ERR_RUNTIME, "session options");
+    if (manifest_.native_kernels) {  // the operators come from this host's own build, never from the bundle
+      std::string lib = kernels_library();
+      ort::check(api, api.RegisterCustomOpsLibrary_V2(so, lib.c_str()), SG_ERR_RUNTIME,
+                 bundle + " runs specgraph's native kernels: cannot load " + lib +
+                     " (build it with sh scripts/install.sh, or set SPECGRAPH_KERNELS_LIB)");
+    }
     std::string graph = bundle + "/" + manifest_.graph_file;
     ort::check(api, api.CreateSession(env_, graph.c_str(), so, &session_), SG_ERR_BUNDLE,
                bundle + ": ONNX Runtime cannot load " + manifest_.graph_file);

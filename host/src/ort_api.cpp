@@ -57,6 +57,7 @@ void fill(const Fn* t, Api& a) {
   take(t, 98, a.ReleaseTypeInfo);
   take(t, 99, a.ReleaseTensorTypeAndShapeInfo);
   take(t, 100, a.ReleaseSessionOptions);
+  take(t, 228, a.RegisterCustomOpsLibrary_V2);
   take(t, 133, a.RunWithBinding);
   take(t, 134, a.CreateIoBinding);
   take(t, 135, a.ReleaseIoBinding);

@@ -80,6 +80,7 @@ struct Api {
   void (*ReleaseTypeInfo)(TypeInfo*);                                                     // 98
   void (*ReleaseTensorTypeAndShapeInfo)(TensorInfo*);                                     // 99
   void (*ReleaseSessionOptions)(SessionOptions*);                                         // 100
+  Status* (*RegisterCustomOpsLibrary_V2)(SessionOptions*, const char* path);              // 228
   Status* (*RunWithBinding)(Session*, const RunOptions*, const IoBinding*);               // 133
   Status* (*CreateIoBinding)(Session*, IoBinding** out);                                  // 134
   void (*ReleaseIoBinding)(IoBinding*);                                                   // 135

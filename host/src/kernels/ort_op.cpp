@@ -1,0 +1,289 @@
+// specgraph's ONNX Runtime operator library: `specgraph.BlockMatMul`, the block product of
+// block_matmul.h as one node. ONNX Runtime loads it with RegisterCustomOpsLibrary (Python:
+// SessionOptions.register_custom_ops_library), which calls RegisterCustomOps below.
+//
+//   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], scale [N, K/block],
+//               offset c'^T [K/block, N] (optional), low uint8 [N, K/block, block/2] (optional))
+//     -> y [..., N]                                   attributes: K, N, block_size
+//
+// As host/src/ort_api.h does, the C API is declared here from its documented ABI (the table's
+// indices and OrtCustomOp's fields), so no ONNX Runtime header is needed to build it.
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "block_matmul.h"
+
+namespace {
+
+struct OrtStatus;
+struct OrtValue;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+struct OrtShapeInfo;  // OrtTensorTypeAndShapeInfo
+using Fn = void (*)();
+
+constexpr int kFloat = 1, kUint8 = 2;                  // ONNXTensorElementDataType
+constexpr int kRequired = 0, kOptional = 1;            // OrtCustomOpInputOutputCharacteristic
+constexpr int kInvalidArgument = 2, kFail = 1;         // OrtErrorCode
+constexpr uint32_t kApiVersion = 17;                   // ONNX Runtime 1.17: the first with slot 274
+
+// The slots of ONNX Runtime's API table this library calls (index: signature).
+struct Api {
+  OrtStatus* (*CreateStatus)(int code, const char* message);                                      // 0
+  OrtStatus* (*CreateCustomOpDomain)(const char* domain, OrtCustomOpDomain** out);                // 26
+  OrtStatus* (*CustomOpDomain_Add)(OrtCustomOpDomain*, const void* op);                           // 27
+  OrtStatus* (*AddCustomOpDomain)(OrtSessionOptions*, OrtCustomOpDomain*);                        // 28
+  OrtStatus* (*GetTensorMutableData)(OrtValue*, void** out);                                      // 51
+  OrtStatus* (*GetDimensionsCount)(const OrtShapeInfo*, size_t* out);                             // 61
+  OrtStatus* (*GetDimensions)(const OrtShapeInfo*, int64_t* out, size_t n);                       // 62
+  OrtStatus* (*GetTensorTypeAndShape)(const OrtValue*, OrtShapeInfo** out);                       // 65
+  OrtStatus* (*KernelInfoGetAttribute_int64)(const OrtKernelInfo*, const char* name, int64_t* out);  // 86
+  OrtStatus* (*KernelContext_GetInput)(const OrtKernelContext*, size_t i, const OrtValue** out);  // 90
+  OrtStatus* (*KernelContext_GetOutput)(OrtKernelContext*, size_t i, const int64_t* dims, size_t n,
+                                        OrtValue** out);                                          // 91
+  void (*ReleaseStatus)(OrtStatus*);                                                              // 93
+  void (*ReleaseShapeInfo)(OrtShapeInfo*);                                                        // 99
+  OrtStatus* (*KernelContext_ParallelFor)(const OrtKernelContext*, void (*fn)(void*, size_t), size_t total,
+                                          size_t num_batch, void* data);                          // 274
+};
+
+struct ApiBase {
+  const Fn* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+template <typename F>
+void take(const Fn* table, size_t index, F& slot) {
+  slot = reinterpret_cast<F>(table[index]);
+}
+
+Api g_api{};
+
+// OrtCustomOp, field for field; ONNX Runtime reads the fields that `version` has.
+struct CustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const CustomOp*, const void* api, const OrtKernelInfo*);
+  const char* (*GetName)(const CustomOp*);
+  const char* (*GetExecutionProviderType)(const CustomOp*);
+  int (*GetInputType)(const CustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const CustomOp*);
+  int (*GetOutputType)(const CustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const CustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const CustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const CustomOp*, size_t);
+  int (*GetInputMemoryType)(const CustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const CustomOp*);
+  int (*GetVariadicInputHomogeneity)(const CustomOp*);
+  int (*GetVariadicOutputMinArity)(const CustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const CustomOp*);
+  OrtStatus* (*CreateKernelV2)(const CustomOp*, const void* api, const OrtKernelInfo*, void** kernel);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  OrtStatus* (*InferOutputShapeFn)(const CustomOp*, void*);
+  int (*GetStartVersion)(const CustomOp*);
+  int (*GetEndVersion)(const CustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+
+// An error status from ONNX Runtime's own call, passed on; or nullptr.
+#define SG_TRY(call)                  \
+  do {                                \
+    OrtStatus* status_ = (call);      \
+    if (status_) return status_;      \
+  } while (0)
+
+OrtStatus* fail(const std::string& message) {
+  return g_api.CreateStatus(kInvalidArgument, ("specgraph.BlockMatMul: " + message).c_str());
+}
+
+OrtStatus* shape_of(const OrtValue* value, std::vector<int64_t>& dims) {
+  OrtShapeInfo* info = nullptr;
+  SG_TRY(g_api.GetTensorTypeAndShape(value, &info));
+  size_t n = 0;
+  OrtStatus* status = g_api.GetDimensionsCount(info, &n);
+  if (!status) {
+    dims.assign(n, 0);
+    status = g_api.GetDimensions(info, dims.data(), n);
+  }
+  g_api.ReleaseShapeInfo(info);
+  return status;
+}
+
+template <typename T>
+OrtStatus* data_of(const OrtValue* value, const T** out) {
+  void* p = nullptr;
+  SG_TRY(g_api.GetTensorMutableData(const_cast<OrtValue*>(value), &p));
+  *out = static_cast<const T*>(p);
+  return nullptr;
+}
+
+struct Kernel {
+  int64_t k = 0, n = 0, block = 0;
+};
+
+// One parallel call: outputs split into tiles that ONNX Runtime's intra-op threads share.
+struct Job {
+  const sg::kernels::BlockWeights* weights;
+  const sg::kernels::PreparedInput* input;
+  float* y;
+  int64_t tile;
+};
+
+void run_tile(void* data, size_t index) {
+  const Job& job = *static_cast<const Job*>(data);
+  const int64_t begin = static_cast<int64_t>(index) * job.tile;
+  const int64_t end = begin + job.tile < job.weights->n ? begin + job.tile : job.weights->n;
+  sg::kernels::block_matmul(*job.weights, *job.input, job.y, begin, end);
+}
+
+OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
+  const Kernel& kernel = *static_cast<const Kernel*>(kernel_ptr);
+  const OrtValue* in[5] = {};
+  for (size_t i = 0; i < 5; ++i) SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
+  std::vector<int64_t> x_dims, high_dims;
+  SG_TRY(shape_of(in[0], x_dims));
+  SG_TRY(shape_of(in[1], high_dims));
+  const int64_t nb = kernel.k / kernel.block, half = kernel.block / 2;
+  if (x_dims.empty() || x_dims.back() != kernel.k) return fail("input's last dimension is not K");
+  if (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half) {
+    return fail("packed codes are not [N, K/block, block/2]");
+  }
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < x_dims.size(); ++i) rows *= x_dims[i];
+
+  sg::kernels::BlockWeights w;
+  w.n = kernel.n;
+  w.k = kernel.k;
+  w.block = kernel.block;
+  const float* x = nullptr;
+  SG_TRY(data_of(in[0], &x));
+  SG_TRY(data_of(in[1], &w.high));
+  SG_TRY(data_of(in[2], &w.scale));
+  if (in[3]) SG_TRY(data_of(in[3], &w.offset));
+  if (in[4]) SG_TRY(data_of(in[4], &w.low));
+
+  std::vector<int64_t> y_dims(x_dims);
+  y_dims.back() = kernel.n;
+  OrtValue* out = nullptr;
+  SG_TRY(g_api.KernelContext_GetOutput(context, 0, y_dims.data(), y_dims.size(), &out));
+  float* y = nullptr;
+  void* p = nullptr;
+  SG_TRY(g_api.GetTensorMutableData(out, &p));
+  y = static_cast<float*>(p);
+  if (rows == 0) return nullptr;
+
+  thread_local std::vector<float> paired, sums;  // a session may run on several threads at once
+  paired.resize(static_cast<size_t>(rows * kernel.k));
+  sums.resize(static_cast<size_t>(rows * nb));
+  sg::kernels::prepare_input(x, rows, kernel.k, kernel.block, paired.data(), sums.data());
+  sg::kernels::PreparedInput prepared{rows, paired.data(), sums.data()};
+  Job job{&w, &prepared, y, 16};
+  const size_t tiles = static_cast<size_t>((kernel.n + job.tile - 1) / job.tile);
+  return g_api.KernelContext_ParallelFor(context, run_tile, tiles, tiles < 8 ? tiles : 8, &job);
+}
+
+OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  auto* kernel = new Kernel();
+  OrtStatus* status = g_api.KernelInfoGetAttribute_int64(info, "K", &kernel->k);
+  if (!status) status = g_api.KernelInfoGetAttribute_int64(info, "N", &kernel->n);
+  if (!status) status = g_api.KernelInfoGetAttribute_int64(info, "block_size", &kernel->block);
+  if (!status && (kernel->block <= 0 || kernel->block % 16 || kernel->k % kernel->block || kernel->n <= 0)) {
+    status = fail("block_size must be a positive multiple of 16 that divides K");
+  }
+  if (status) {
+    delete kernel;
+    return status;
+  }
+  *out = kernel;
+  return nullptr;
+}
+
+const char* name(const CustomOp*) { return "BlockMatMul"; }
+const char* provider(const CustomOp*) { return "CPUExecutionProvider"; }
+int input_type(const CustomOp*, size_t i) { return i == 1 || i == 4 ? kUint8 : kFloat; }
+size_t input_count(const CustomOp*) { return 5; }
+int output_type(const CustomOp*, size_t) { return kFloat; }
+size_t output_count(const CustomOp*) { return 1; }
+int input_kind(const CustomOp*, size_t i) { return i >= 3 ? kOptional : kRequired; }
+int output_kind(const CustomOp*, size_t) { return kRequired; }
+int memory_type(const CustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
+int one(const CustomOp*) { return 1; }
+int zero(const CustomOp*) { return 0; }
+int last_version(const CustomOp*) { return INT_MAX; }
+size_t no_pairs(int** a, int** b) {
+  *a = nullptr;
+  *b = nullptr;
+  return 0;
+}
+void release_pairs(int*, int*) {}
+void destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+CustomOp make_op() {
+  CustomOp op{};
+  op.version = kApiVersion;
+  op.GetName = name;
+  op.GetExecutionProviderType = provider;
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputType = output_type;
+  op.GetOutputTypeCount = output_count;
+  op.KernelDestroy = destroy;
+  op.GetInputCharacteristic = input_kind;
+  op.GetOutputCharacteristic = output_kind;
+  op.GetInputMemoryType = memory_type;
+  op.GetVariadicInputMinArity = one;
+  op.GetVariadicInputHomogeneity = zero;
+  op.GetVariadicOutputMinArity = one;
+  op.GetVariadicOutputHomogeneity = zero;
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = compute;
+  op.GetStartVersion = one;
+  op.GetEndVersion = last_version;
+  op.GetMayInplace = no_pairs;
+  op.ReleaseMayInplace = release_pairs;
+  op.GetAliasMap = no_pairs;
+  op.ReleaseAliasMap = release_pairs;
+  return op;
+}
+
+const CustomOp g_op = make_op();
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                               const ApiBase* base) {
+  const Fn* t = base->GetApi(kApiVersion);
+  if (!t) return nullptr;  // too old an ONNX Runtime: it cannot run the op, and says so at load
+  take(t, 0, g_api.CreateStatus);
+  take(t, 26, g_api.CreateCustomOpDomain);
+  take(t, 27, g_api.CustomOpDomain_Add);
+  take(t, 28, g_api.AddCustomOpDomain);
+  take(t, 51, g_api.GetTensorMutableData);
+  take(t, 61, g_api.GetDimensionsCount);
+  take(t, 62, g_api.GetDimensions);
+  take(t, 65, g_api.GetTensorTypeAndShape);
+  take(t, 86, g_api.KernelInfoGetAttribute_int64);
+  take(t, 90, g_api.KernelContext_GetInput);
+  take(t, 91, g_api.KernelContext_GetOutput);
+  take(t, 93, g_api.ReleaseStatus);
+  take(t, 99, g_api.ReleaseShapeInfo);
+  take(t, 274, g_api.KernelContext_ParallelFor);
+  OrtCustomOpDomain* domain = nullptr;
+  SG_TRY(g_api.CreateCustomOpDomain("specgraph", &domain));
+  return g_api.CustomOpDomain_Add(domain, &g_op) ? g_api.CreateStatus(kFail, "cannot add specgraph.BlockMatMul")
+                                                  : g_api.AddCustomOpDomain(options, domain);
+}
+
+// For tests and tools: which code path the block product takes on this CPU.
+extern "C" __attribute__((visibility("default"))) const char* specgraph_kernels_path() {
+  return sg::kernels::block_matmul_path();
+}

@@ -1,0 +1,52 @@
+"""specgraph's own ONNX Runtime operators (`host/src/kernels/`, `--kernels native`).
+
+`libspecgraph_kernels.so` holds `specgraph.BlockMatMul`: a product with integer weight blocks in
+float32 (exporters/nbits.py). `sh scripts/install.sh` builds it with the C++ host where CMake and a
+C++ compiler exist. A bundle compiled with `--kernels native` says so in its manifest, and every
+session that runs it loads the library first; ONNX Runtime alone cannot run such a bundle.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from specgraph.errors import BundleError, InputError
+
+ENV = "SPECGRAPH_KERNELS_LIB"
+KERNELS = ("ort", "native")
+_BUILT = Path(__file__).resolve().parent.parent / "host" / "build" / "libspecgraph_kernels.so"
+
+
+def library_path() -> Path | None:
+    """$SPECGRAPH_KERNELS_LIB if set, else the library that scripts/install.sh built; None if absent."""
+    path = Path(os.environ[ENV]).expanduser() if os.environ.get(ENV) else _BUILT
+    return path if path.is_file() else None
+
+
+def _missing() -> str:
+    where = os.environ.get(ENV) or str(_BUILT)
+    return (f"specgraph's kernel library is not at {where}: build it with `sh scripts/install.sh` (it needs "
+            f"cmake and a C++ compiler) or set {ENV}")  # fmt: skip
+
+
+def check_available() -> None:
+    """For `--kernels native` at compile time: the library must exist to run what is built."""
+    if library_path() is None:
+        raise InputError(f"--kernels native: {_missing()}; or compile with --kernels ort")
+
+
+def uses_native(manifest: dict[str, Any]) -> bool:
+    return bool((manifest.get("weights") or {}).get("kernels") == "native")
+
+
+def register(options: Any, bundle: Path) -> None:
+    """Load the library into ONNX Runtime session options (a native-kernel bundle needs it)."""
+    path = library_path()
+    if path is None:
+        raise BundleError(f"{bundle}: this bundle runs specgraph's native kernels; {_missing()}")
+    try:
+        options.register_custom_ops_library(str(path))
+    except Exception as exc:  # ORT's Fail: not a library, or not one for this ONNX Runtime
+        raise BundleError(f"{bundle}: cannot load specgraph's kernel library {path}: {exc}") from exc

@@ -1,0 +1,150 @@
+"""specgraph's own ONNX Runtime operator (`--kernels native`, host/src/kernels/): the block product
+equals the dequantised weight's in float32, native engines equal HF on the GGUF and speculation
+equals its own none engine, and what cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from specgraph.compiler import CompileConfig, compile_model
+from specgraph.default_model import read_gguf
+from specgraph.errors import BundleError, InputError
+from specgraph.exporters.nbits import NATIVE_DOMAIN
+from specgraph.kernels import ENV, library_path
+from specgraph.runtime import Engine
+from tests.greedy import assert_same_greedy, hf_greedy
+from tests.models.tiny_gguf import write_llama_gguf
+from tests.test_medusa import _heads
+from tests.test_weights import PROMPTS, _cli_refuses
+
+pytestmark = pytest.mark.skipif(
+    library_path() is None, reason="specgraph's kernel library is not built (sh scripts/install.sh needs cmake)"
+)
+
+
+def _pack(digit: np.ndarray, block: int) -> np.ndarray:
+    n, k = digit.shape
+    pairs = digit.reshape(n, k // block, block // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+
+
+def _session(node, inits, k: int, n: int) -> ort.InferenceSession:
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(NATIVE_DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(library_path()))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("offset", [True, False])
+def test_block_matmul_equals_the_dequantised_product(digits, block, offset):
+    """One node, every row count a verify call uses (1-9 rows, and a [2, T, K] batch), against the
+    float64 product of the dequantised weight: float32 rounding only."""
+    rng = np.random.default_rng(block + digits)
+    n, k = 200, 4 * block  # 200 outputs: whole 16-output tiles and a remainder
+    codes = rng.integers(0, 16 if digits == 1 else 256, (n, k))
+    centre = 8 if digits == 1 else 136
+    scale = (rng.random((n, k // block)) * 0.02 + 0.001).astype(np.float32)
+    shift = rng.standard_normal((n, k // block)) * 0.05 if offset else -centre * scale.astype(np.float64)  # c' = 0
+    c = np.ascontiguousarray((shift + centre * scale.astype(np.float64)).astype(np.float32).T)  # c'^T [K/block, N]
+    dequantised = np.repeat(scale, block, 1).astype(np.float64) * (codes - centre)  # [N, K], as stored
+    weight = dequantised + np.repeat(c.T, block, 1)
+    if digits == 1:
+        inits = [numpy_helper.from_array(_pack(codes, block), "q"), numpy_helper.from_array(scale, "s")]
+        inputs = ["x", "q", "s", "c" if offset else ""]
+    else:
+        inits = [numpy_helper.from_array(_pack(codes >> 4, block), "q"), numpy_helper.from_array(scale, "s"),
+                 numpy_helper.from_array(_pack(codes & 15, block), "lo")]  # fmt: skip
+        inputs = ["x", "q", "s", "c" if offset else "", "lo"]
+    if offset:
+        inits.append(numpy_helper.from_array(c, "c"))
+    while inputs[-1] == "":
+        inputs.pop()
+    node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)
+    session = _session(node, inits, k, n)
+    for shape in [(1, k), (2, k), (3, k), (4, k), (5, k), (9, k), (2, 3, k), (1, 0, k)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        got = session.run(None, {"x": x})[0]
+        want = x.astype(np.float64) @ weight.T
+        assert got.shape == want.shape
+        if want.size:
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # a row computed alone equals the same row within a many-row call (one rounding for every call)
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(6)])
+    assert np.array_equal(alone, session.run(None, {"x": x})[0])
+
+
+@pytest.mark.parametrize(
+    ("matrices", "embedding", "method"),
+    [("Q4_1", "Q8_0", "none"), ("Q4_0", "Q4_0", "lookup"), ("Q8_0", "Q4_1", "medusa")],
+)
+def test_native_engines_match_hf_generate_on_the_gguf(matrices, embedding, method, tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", matrices, embedding)
+    extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
+    out = tmp_path / "b"
+    compile_model(CompileConfig.of(model=str(path), output=out, method=method, max_context=160, kernels="native",
+                                   emit_logits=True, **extra))  # fmt: skip
+    engine = Engine(out)
+    weights = engine.manifest["weights"]
+    assert weights["kernels"] == "native" and weights["native_matmuls"] == weights["matmuls"] > 0
+    model, _tok = read_gguf(path)
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, 64))
+    if method != "none":
+        return
+    prompt = PROMPTS[2]  # the logits of a whole prompt (one many-row call): the dequantised model's, to 1e-4
+    feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
+             "cache_len": np.zeros(1, np.int64)}  # fmt: skip
+    got = engine.call(engine.session.io_binding(), feeds, engine.new_state(1))["logits"].numpy()[0]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path):
+    """int4 weights made here, native kernels: lookup and Medusa emit what none emits, greedy and sampled."""
+    folder = tiny_folder("llama")
+    engines = {}
+    for method in ("none", "lookup", "medusa"):
+        extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
+        compile_model(CompileConfig.of(model=str(folder), output=tmp_path / method, method=method, max_context=160,
+                                       weights="int4", kernels="native", **extra))  # fmt: skip
+        engines[method] = Engine(tmp_path / method)
+    for prompt in PROMPTS:
+        want = engines["none"].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids
+        sampled = engines["none"].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
+        for method in ("lookup", "medusa"):
+            assert engines[method].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids == want
+            again = engines[method].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
+            assert again.output_ids == sampled.output_ids
+
+
+def test_what_native_kernels_cannot_run_is_refused(tmp_path, capsys, monkeypatch):
+    path = str(write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0"))
+    out = tmp_path / "out"
+    _cli_refuses(["compile", path, "-o", str(out), "--kernels", "native", "--activations", "int8"], capsys,
+                 "needs --activations fp32")  # fmt: skip
+    _cli_refuses(["compile", path, "-o", str(out), "--kernels", "native", "--weights", "fp32"], capsys,
+                 "runs quantised weights")  # fmt: skip
+    compile_model(CompileConfig.of(model=path, output=out, max_context=160, kernels="native"))
+    monkeypatch.setenv(ENV, str(tmp_path / "absent.so"))
+    _cli_refuses(["compile", path, "-o", str(tmp_path / "o2"), "--kernels", "native"], capsys, ENV)
+    assert not (tmp_path / "o2").exists()
+    with pytest.raises(BundleError, match="native kernels") as caught:
+        Engine(out)
+    assert len(str(caught.value).splitlines()) == 1
+    _cli_refuses(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "2"], capsys, "native kernels")
+    with pytest.raises(InputError, match="unknown --kernels"):
+        CompileConfig.of(model=path, output=tmp_path / "o3", kernels="fast").check()
