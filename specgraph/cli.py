@@ -149,11 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--kernels",
-        default="ort",
+        default="auto",
         choices=list(KERNELS),
-        help="ort (default): quantised products are ONNX Runtime's MatMulNBits, which any ONNX Runtime runs. "
-        "native: specgraph's own operator (built by scripts/install.sh), the same float32 sum in one node, "
-        "faster on CPUs without AVX-512 and for multi-token verify calls; the bundle then needs that library",
+        help="how quantised weights are multiplied. native: specgraph's own ONNX Runtime operator "
+        "(libspecgraph_kernels.so, built by scripts/install.sh), float32 and exact, 1.8x MatMulNBits per step "
+        "on an AVX2 CPU; the bundle then runs only where that library is (the Python and C++ hosts load it). "
+        "ort: ONNX Runtime's MatMulNBits, which any ONNX Runtime runs. auto (default): native for exact "
+        "(fp32) activations when the library is built, else ort",
     )
     c.add_argument(
         "--block-size", type=_positive, default=32, help="int8/int4: weights per quantisation block (default 32)"
@@ -457,7 +459,14 @@ def _weights_line(w: dict[str, Any]) -> str:
         f"weights: {w['weights']}, stored {formats} ({w['block_bytes'] / 1e6:.1f} MB instead of "
         f"{w['float32_bytes'] / 1e6:.1f} MB float32), {w['activations']} activations, {exact}"
         + (f"; the same text as --method {same} with these weights" if same else "")
+        + _kernels_note(w)
     )
+
+
+def _kernels_note(w: dict[str, Any]) -> str:
+    if w.get("kernels") != "native":
+        return ""
+    return "; native kernels (runs where libspecgraph_kernels.so is: --kernels ort for any ONNX Runtime)"
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

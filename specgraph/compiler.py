@@ -24,6 +24,7 @@ from specgraph.capture import capture
 from specgraph.errors import InputError
 from specgraph.exporters.manifest import describe_values, write_manifest
 from specgraph.exporters.onnx import export_onnx
+from specgraph.kernels import resolve as resolve_kernels
 from specgraph.loaders import LoadedModel, load_model, save_tokenizer, source_path
 from specgraph.methods import Built, Finished, Method, Options
 from specgraph.outputs import BUNDLE, check_output, replace_dir, staging_dir
@@ -65,7 +66,7 @@ class CompileConfig:
     weights: str = "source"  # source | fp32 | int8 | int4 (see specgraph/weights.py)
     activations: str = "fp32"  # fp32 (exact against the weights) | int8 (MatMulNBits accuracy level 4)
     block_size: int = 32  # int8 / int4: weights per quantisation block
-    kernels: str = "ort"  # ort (MatMulNBits: any ONNX Runtime) | native (specgraph.BlockMatMul, specgraph/kernels.py)
+    kernels: str = "auto"  # auto | ort (MatMulNBits: any ONNX Runtime) | native (specgraph.BlockMatMul, kernels.py)
     attention: str = "fused"  # fused (ONNX Runtime's GroupQueryAttention where it fits) | portable (standard ONNX only)
     force: bool = False  # replace an existing output specgraph did not make (see specgraph/outputs.py)
     options: Options | None = None  # the method's settings; None = its defaults
@@ -241,7 +242,8 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
     times["export"] = times.get("export", 0.0) + time.perf_counter() - t0
     t0 = time.perf_counter()
     weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
-                            skip=built.meta.get("weights_skip"), kernels=cfg.kernels)  # fmt: skip
+                            skip=built.meta.get("weights_skip"),
+                            kernels=resolve_kernels(cfg.kernels, cfg.weights, cfg.activations))  # fmt: skip
     times["weights"] = times.get("weights", 0.0) + time.perf_counter() - t0
     tokenizer = _copy_tokenizer(loaded, staging)
     inputs, outputs = engine.io_names()

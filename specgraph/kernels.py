@@ -2,8 +2,9 @@
 
 `libspecgraph_kernels.so` holds `specgraph.BlockMatMul`: a product with integer weight blocks in
 float32 (exporters/nbits.py). `sh scripts/install.sh` builds it with the C++ host where CMake and a
-C++ compiler exist. A bundle compiled with `--kernels native` says so in its manifest, and every
-session that runs it loads the library first; ONNX Runtime alone cannot run such a bundle.
+C++ compiler exist. `--kernels auto` (the default) takes it for exact activations wherever it is
+built. A bundle compiled with native kernels says so in its manifest, and every session that runs
+it loads the library first; ONNX Runtime alone cannot run such a bundle.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from specgraph.errors import BundleError, InputError
 
 ENV = "SPECGRAPH_KERNELS_LIB"
-KERNELS = ("ort", "native")
+KERNELS = ("auto", "ort", "native")
 _BUILT = Path(__file__).resolve().parent.parent / "host" / "build" / "libspecgraph_kernels.so"
 
 
@@ -35,6 +36,14 @@ def check_available() -> None:
     """For `--kernels native` at compile time: the library must exist to run what is built."""
     if library_path() is None:
         raise InputError(f"--kernels native: {_missing()}; or compile with --kernels ort")
+
+
+def resolve(kernels: str, weights: str, activations: str) -> str:
+    """`auto`: native for float32 activations on quantised weights when the library is built, else ort."""
+    if kernels != "auto":
+        return kernels
+    native = activations == "fp32" and weights != "fp32" and library_path() is not None
+    return "native" if native else "ort"
 
 
 def uses_native(manifest: dict[str, Any]) -> bool:

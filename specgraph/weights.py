@@ -33,7 +33,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 _ACCURACY = {"fp32": 1, "int8": 4}  # MatMulNBits accuracy_level
 
 
-def check_weights(weights: str, activations: str, block_size: int, kernels: str = "ort") -> None:
+def check_weights(weights: str, activations: str, block_size: int, kernels: str = "auto") -> None:
     if weights not in WEIGHTS:
         raise InputError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
     if activations not in ACTIVATIONS:

@@ -148,3 +148,14 @@ def test_what_native_kernels_cannot_run_is_refused(tmp_path, capsys, monkeypatch
     _cli_refuses(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "2"], capsys, "native kernels")
     with pytest.raises(InputError, match="unknown --kernels"):
         CompileConfig.of(model=path, output=tmp_path / "o3", kernels="fast").check()
+    # auto: ort where the library is missing, and wherever activations are int8
+    compile_model(CompileConfig.of(model=path, output=tmp_path / "o4", max_context=160))
+    assert Engine(tmp_path / "o4").manifest["weights"]["kernels"] == "ort"
+
+
+def test_auto_kernels_are_native_for_exact_activations_only(tmp_path):
+    path = str(write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0"))
+    for activations, want in (("fp32", "native"), ("int8", "ort")):
+        out = tmp_path / activations
+        compile_model(CompileConfig.of(model=path, output=out, max_context=160, activations=activations))
+        assert Engine(out).manifest["weights"]["kernels"] == want

@@ -76,11 +76,13 @@ def _gguf_bundle(tmp_path, matrices: str, embedding: str, method: str, **kw):
     [("Q4_0", "Q4_0", "none"), ("Q4_1", "Q8_0", "lookup"), ("Q8_0", "Q4_1", "medusa")],
 )
 def test_stored_blocks_match_hf_generate_on_the_gguf(matrices, embedding, method, tmp_path):
-    """--weights source with fp32 activations: HF (which dequantises the GGUF) greedy, token for token."""
-    path, out = _gguf_bundle(tmp_path, matrices, embedding, method)
+    """--weights source with fp32 activations: HF (which dequantises the GGUF) greedy, token for token,
+    with ONNX Runtime's MatMulNBits (tests/test_kernels.py runs the same with specgraph's own kernels)."""
+    path, out = _gguf_bundle(tmp_path, matrices, embedding, method, kernels="ort")
     engine = Engine(out)
     weights = engine.manifest["weights"]
     assert weights["stored"] == "blocks" and weights["exact"] and weights["gathers"] == 1
+    assert weights["kernels"] == "ort" and weights["native_matmuls"] == 0
     assert set(weights["formats"]) == {matrices, embedding}
     if method != "medusa":  # (Medusa's own heads are float32 here: the GGUF has none)
         assert (out / "model.onnx.data").stat().st_size < 0.45 * weights["float32_bytes"]  # no float copy kept
@@ -91,7 +93,7 @@ def test_stored_blocks_match_hf_generate_on_the_gguf(matrices, embedding, method
 
 
 def test_stored_block_logits_match_the_dequantised_model(tmp_path):
-    path, out = _gguf_bundle(tmp_path, "Q4_1", "Q8_0", "none", emit_logits=True)
+    path, out = _gguf_bundle(tmp_path, "Q4_1", "Q8_0", "none", emit_logits=True, kernels="ort")
     engine = Engine(out)
     prompt = PROMPTS[2]
     feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
@@ -112,7 +114,7 @@ def test_speculation_equals_its_own_none_engine(weights, activations, tiny_folde
     for method in ("none", "lookup", "medusa"):
         extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
         cfg = CompileConfig.of(model=str(folder), output=tmp_path / method, method=method, max_context=160,
-                            weights=weights, activations=activations, **extra)  # fmt: skip
+                            weights=weights, activations=activations, kernels="ort", **extra)  # fmt: skip
         compile_model(cfg)
         engines[method] = Engine(tmp_path / method)
     assert engines["none"].manifest["weights"]["formats"] == {weights: 10}  # 9 matrices and the embedding

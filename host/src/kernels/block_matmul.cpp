@@ -61,10 +61,12 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
 
 // Rows [r0, r0 + R) of y for outputs [n_begin, n_end): each 8 packed bytes of a block are
 // unpacked once into 8 even and 8 odd codes, then multiplied into every row of the tile.
-template <int R>
+// Two: two digits (w.low set); H: block / 2 when fixed at compile time (the common 32-weight
+// blocks, so the byte loop unrolls), 0 to read it from w.
+template <int R, bool Two, int H>
 __attribute__((target("avx2,fma"))) void tile_avx2(const BlockWeights& w, const PreparedInput& in, float* y,
                                                    int64_t n_begin, int64_t n_end, int64_t r0) {
-  const int64_t nb = w.k / w.block, half = w.block / 2;
+  const int64_t nb = w.k / w.block, half = H ? H : w.block / 2;
   const __m256i nibble = _mm256_set1_epi32(0x0F);
   const __m256i top = _mm256_set1_epi32(0xF0);
   const float eighth = centre(w) / 8.0f;  // each of a block's 8 lanes carries an eighth of centre * S_b
@@ -72,7 +74,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const BlockWeights& w, const 
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* hp = w.high + n * nb * half;
-    const uint8_t* lp = w.low ? w.low + n * nb * half : nullptr;
+    const uint8_t* lp = Two ? w.low + n * nb * half : nullptr;
     const float* sp = w.scale + n * nb;
     for (int64_t b = 0; b < nb; ++b) {
       __m256 te[R], to[R];  // two chains a row: inputs 2j and 2j + 1
@@ -81,7 +83,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const BlockWeights& w, const 
         // 8 packed bytes widened to 8 lanes, then split into nibbles within each lane
         const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hp + b * half + j)));
         __m256i even, odd;
-        if (lp) {  // code = 16 * high + low
+        if (Two) {  // code = 16 * high + low
           const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lp + b * half + j)));
           even = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h, nibble), 4), _mm256_and_si256(l, nibble));
           odd = _mm256_or_si256(_mm256_and_si256(h, top), _mm256_srli_epi32(l, 4));
@@ -126,15 +128,24 @@ __attribute__((target("avx2,fma"))) void offsets_avx2(const BlockWeights& w, con
   }
 }
 
-void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
+template <bool Two, int H>
+void rows_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
   int64_t r = 0;
-  for (; r + kRowTile <= in.rows; r += kRowTile) tile_avx2<kRowTile>(w, in, y, n_begin, n_end, r);
+  for (; r + kRowTile <= in.rows; r += kRowTile) tile_avx2<kRowTile, Two, H>(w, in, y, n_begin, n_end, r);
   switch (in.rows - r) {
-    case 3: tile_avx2<3>(w, in, y, n_begin, n_end, r); break;
-    case 2: tile_avx2<2>(w, in, y, n_begin, n_end, r); break;
-    case 1: tile_avx2<1>(w, in, y, n_begin, n_end, r); break;
+    case 3: tile_avx2<3, Two, H>(w, in, y, n_begin, n_end, r); break;
+    case 2: tile_avx2<2, Two, H>(w, in, y, n_begin, n_end, r); break;
+    case 1: tile_avx2<1, Two, H>(w, in, y, n_begin, n_end, r); break;
     default: break;
   }
+}
+
+void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
+  const bool two = w.low != nullptr, fixed = w.block == 32;
+  if (two && fixed) rows_avx2<true, 16>(w, in, y, n_begin, n_end);
+  if (two && !fixed) rows_avx2<true, 0>(w, in, y, n_begin, n_end);
+  if (!two && fixed) rows_avx2<false, 16>(w, in, y, n_begin, n_end);
+  if (!two && !fixed) rows_avx2<false, 0>(w, in, y, n_begin, n_end);
   offsets_avx2(w, in, y, n_begin, n_end);
 }
 
