@@ -60,7 +60,9 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
 }
 
 // Rows [r0, r0 + R) of y for outputs [n_begin, n_end): each 8 packed bytes of a block are
-// unpacked once into 8 even and 8 odd codes, then multiplied into every row of the tile.
+// unpacked once into 8 even and 8 odd centred codes, then multiplied into every row of the tile.
+// Every row takes the same operations in the same order whatever R is, so a row of a many-row
+// call equals the same row computed alone, bit for bit (a verify call rounds as a step does).
 // Two: two digits (w.low set); H: block / 2 when fixed at compile time (the common 32-weight
 // blocks, so the byte loop unrolls), 0 to read it from w.
 template <int R, bool Two, int H>
@@ -69,7 +71,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const BlockWeights& w, const 
   const int64_t nb = w.k / w.block, half = H ? H : w.block / 2;
   const __m256i nibble = _mm256_set1_epi32(0x0F);
   const __m256i top = _mm256_set1_epi32(0xF0);
-  const float eighth = centre(w) / 8.0f;  // each of a block's 8 lanes carries an eighth of centre * S_b
+  const __m256i centre_codes = _mm256_set1_epi32(static_cast<int>(centre(w)));
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -77,8 +79,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const BlockWeights& w, const 
     const uint8_t* lp = Two ? w.low + n * nb * half : nullptr;
     const float* sp = w.scale + n * nb;
     for (int64_t b = 0; b < nb; ++b) {
-      __m256 te[R], to[R];  // two chains a row: inputs 2j and 2j + 1
-      for (int r = 0; r < R; ++r) te[r] = to[r] = _mm256_setzero_ps();
+      __m256 t[R];  // T_b of each row, in 8 lanes
+      for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_ps();
       for (int64_t j = 0; j < half; j += 8) {
         // 8 packed bytes widened to 8 lanes, then split into nibbles within each lane
         const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hp + b * half + j)));
@@ -91,20 +93,16 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const BlockWeights& w, const 
           even = _mm256_and_si256(h, nibble);
           odd = _mm256_srli_epi32(h, 4);
         }
-        const __m256 qe = _mm256_cvtepi32_ps(even);  // codes of inputs 2j
-        const __m256 qo = _mm256_cvtepi32_ps(odd);   // codes of inputs 2j + 1
+        const __m256 qe = _mm256_cvtepi32_ps(_mm256_sub_epi32(even, centre_codes));  // centred codes of inputs 2j
+        const __m256 qo = _mm256_cvtepi32_ps(_mm256_sub_epi32(odd, centre_codes));   // and of inputs 2j + 1
         for (int r = 0; r < R; ++r) {
           const float* x = in.paired + (r0 + r) * w.k + b * w.block;
-          te[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), qe, te[r]);
-          to[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + half + j), qo, to[r]);
+          t[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), qe, t[r]);
+          t[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + half + j), qo, t[r]);
         }
       }
       const __m256 s = _mm256_set1_ps(sp[b]);
-      for (int r = 0; r < R; ++r) {  // s_b * (T_b - centre * S_b): the codes centred once a block
-        const __m256 t = _mm256_add_ps(te[r], to[r]);
-        const __m256 centred = _mm256_sub_ps(t, _mm256_set1_ps(eighth * in.sums[(r0 + r) * nb + b]));
-        acc[r] = _mm256_fmadd_ps(centred, s, acc[r]);
-      }
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(t[r], s, acc[r]);  // s_b * T_b
     }
     for (int r = 0; r < R; ++r) y[(r0 + r) * w.n + n] = hsum(acc[r]);
   }
