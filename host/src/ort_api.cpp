@@ -6,22 +6,10 @@
 #include <cstdlib>
 
 #include "error.h"
+#include "ort_table.h"
 
 namespace sg::ort {
 namespace {
-
-using Fn = void (*)();
-
-// OrtApiBase: the two functions OrtGetApiBase returns.
-struct ApiBase {
-  const Fn* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)();
-};
-
-template <typename F>
-void take(const Fn* table, size_t index, F& slot) {
-  slot = reinterpret_cast<F>(table[index]);
-}
 
 void fill(const Fn* t, Api& a) {
   take(t, 1, a.GetErrorCode);

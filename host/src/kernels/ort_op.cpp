@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../ort_table.h"
 #include "block_matmul.h"
 
 namespace {
@@ -25,7 +26,9 @@ struct OrtKernelContext;
 struct OrtSessionOptions;
 struct OrtCustomOpDomain;
 struct OrtShapeInfo;  // OrtTensorTypeAndShapeInfo
-using Fn = void (*)();
+using sg::ort::ApiBase;
+using sg::ort::Fn;
+using sg::ort::take;
 
 constexpr int kFloat = 1, kUint8 = 2;                  // ONNXTensorElementDataType
 constexpr int kRequired = 0, kOptional = 1;            // OrtCustomOpInputOutputCharacteristic
@@ -51,16 +54,6 @@ struct Api {
   OrtStatus* (*KernelContext_ParallelFor)(const OrtKernelContext*, void (*fn)(void*, size_t), size_t total,
                                           size_t num_batch, void* data);                          // 274
 };
-
-struct ApiBase {
-  const Fn* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)();
-};
-
-template <typename F>
-void take(const Fn* table, size_t index, F& slot) {
-  slot = reinterpret_cast<F>(table[index]);
-}
 
 Api g_api{};
 
