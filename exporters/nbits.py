@@ -85,7 +85,6 @@ def run_weights_as_blocks(
                 if runs is not None:
                     report.float_bytes += weight.nbytes
                     for run in runs:
-                        report.stored_bytes += run.stored_bytes()
                         report.formats[run.format] = report.formats.get(run.format, 0) + 1
             done[name] = None if runs is None else [_add_digits(graph, f"{name}.r{i}", r) for i, r in enumerate(runs)]
         return done[name]
@@ -126,6 +125,7 @@ def run_weights_as_blocks(
     del graph.node[:]
     graph.node.extend(n for n in new_nodes if n.name not in dropped or not n.name)
     drop_dead(graph)
+    report.stored_bytes = _stored_bytes(graph, [d for runs in done.values() for d in runs or []])
     for domain in ("com.microsoft", NATIVE_DOMAIN) if report.native else ("com.microsoft",):
         if domain not in {o.domain for o in model.opset_import}:
             model.opset_import.append(helper.make_opsetid(domain, 1))
@@ -180,6 +180,14 @@ def _add_digits(graph: onnx.GraphProto, name: str, bw: BlockWeight) -> _Digits:
         off_name = f"{name}.c"
         graph.initializer.append(numpy_helper.from_array(offset, off_name))
     return _Digits(n, k, bw.block, names, off_name)
+
+
+def _stored_bytes(graph: onnx.GraphProto, runs: list[_Digits]) -> int:
+    """Bytes of the runs' digits, scales and offsets that the rewritten graph still uses (a native
+    product needs one scale of a two-digit weight, so the other is dropped unless a Gather reads it)."""
+    names = {n for run in runs for pair in run.digits for n in pair} | {run.offset for run in runs if run.offset}
+    itemsize = helper.tensor_dtype_to_np_dtype
+    return sum(int(np.prod(t.dims)) * itemsize(t.data_type).itemsize for t in graph.initializer if t.name in names)
 
 
 def _reshape_wrappers(graph: onnx.GraphProto) -> dict[str, tuple[onnx.NodeProto, onnx.NodeProto]]:

@@ -55,13 +55,6 @@ class BlockWeight:
     def rows(self, index: np.ndarray) -> BlockWeight:
         return BlockWeight(self.codes[index], self.scale[index], self.offset[index], self.bits, self.block, self.format)
 
-    def stored_bytes(self) -> int:
-        """Bytes the engine streams for this weight: packed 4-bit digits plus fp32 scales and offsets."""
-        n, k = self.shape
-        digits = 1 if self.bits <= 4 else 2
-        offsets = 0 if not self.offset.any() else self.offset.nbytes
-        return digits * (n * k // 2 + self.scale.nbytes) + offsets
-
 
 # --- GGUF block formats ----------------------------------------------------------------------
 

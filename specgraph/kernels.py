@@ -47,7 +47,8 @@ def resolve(kernels: str, weights: str, activations: str) -> str:
 
 
 def uses_native(manifest: dict[str, Any]) -> bool:
-    return bool((manifest.get("weights") or {}).get("kernels") == "native")
+    weights = manifest.get("weights")
+    return isinstance(weights, dict) and weights.get("kernels") == "native"
 
 
 def register(options: Any, bundle: Path) -> None:

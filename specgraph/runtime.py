@@ -209,10 +209,11 @@ class Engine:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the bundle's weights: its external data file (the graph file itself if none)."""
+        """Bytes of the bundle's weights: its external data file plus the graph file, which holds the
+        initializers under 1 KB inline (a bound: the graph's own structure is counted too)."""
         graph = self.bundle / self.manifest["graph"]["file"]
         data = graph.with_name(graph.name + ".data")
-        return (data if data.is_file() else graph).stat().st_size
+        return graph.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
     @property
     def state_bytes_per_row(self) -> int:
