@@ -57,6 +57,7 @@ class _Digits:
     block: int
     digits: list[tuple[str, str]]  # (packed uint8 [N, K/block, block/2], scales float32 [N, K/block])
     offset: str | None  # float32 c'^T [K/block, N], None when every c' is zero
+    native: tuple[np.ndarray, np.ndarray]  # the stored scale d and offset m, [N, K/block] each (for _native_nodes)
 
 
 NATIVE_DOMAIN = "specgraph"  # the operator domain of host/src/kernels/ort_op.cpp
@@ -104,7 +105,7 @@ def run_weights_as_blocks(
                     x, y = flatten.input[0], unflatten.output[0]
                     dropped.update((flatten.name, unflatten.name))
                 if native and all(_native_fits(r) for r in runs):
-                    new_nodes += _native_nodes(node.name, x, y, runs)
+                    new_nodes += _native_nodes(node.name, x, y, runs, graph)
                     report.native += 1
                 else:
                     new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
@@ -179,13 +180,14 @@ def _add_digits(graph: onnx.GraphProto, name: str, bw: BlockWeight) -> _Digits:
     if offset.any():
         off_name = f"{name}.c"
         graph.initializer.append(numpy_helper.from_array(offset, off_name))
-    return _Digits(n, k, bw.block, names, off_name)
+    return _Digits(n, k, bw.block, names, off_name, (bw.scale, bw.offset))
 
 
 def _stored_bytes(graph: onnx.GraphProto, runs: list[_Digits]) -> int:
     """Bytes of the runs' digits, scales and offsets that the rewritten graph still uses (a native
     product needs one scale of a two-digit weight, so the other is dropped unless a Gather reads it)."""
     names = {n for run in runs for pair in run.digits for n in pair} | {run.offset for run in runs if run.offset}
+    names |= {f"{run.digits[0][0].rsplit('.', 1)[0]}.{p}" for run in runs for p in ("d", "m")}
     itemsize = helper.tensor_dtype_to_np_dtype
     return sum(int(np.prod(t.dims)) * itemsize(t.data_type).itemsize for t in graph.initializer if t.name in names)
 
@@ -234,15 +236,16 @@ def _native_fits(run: _Digits) -> bool:
     return len(run.digits) in (1, 2) and run.block % 16 == 0
 
 
-def _native_nodes(name: str, x: str, y: str, runs: list[_Digits]) -> list[onnx.NodeProto]:
-    """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, the unit scale (the
-    low digit's), c'^T or "", low digit or "")."""
+def _native_nodes(name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low
+    digit or ""), d and m the format's own scale and offset (the low digit's for two digits)."""
     nodes: list[onnx.NodeProto] = []
     outs = []
     for i, run in enumerate(runs):
         out = f"{y}.r{i}" if len(runs) > 1 else y
-        (high, high_scale), low = run.digits[0], run.digits[1] if len(run.digits) == 2 else None
-        inputs = [x, high, low[1] if low else high_scale, run.offset or "", low[0] if low else ""]
+        high, low = run.digits[0][0], run.digits[1][0] if len(run.digits) == 2 else ""
+        d, m = _native_scales(graph, high.rsplit(".", 1)[0], run)
+        inputs = [x, high, d, m, low]
         while inputs[-1] == "":
             inputs.pop()
         nodes.append(helper.make_node("BlockMatMul", inputs, [out], name=f"{name}.r{i}", domain=NATIVE_DOMAIN,
@@ -251,6 +254,33 @@ def _native_nodes(name: str, x: str, y: str, runs: list[_Digits]) -> list[onnx.N
     if len(runs) > 1:
         nodes.append(helper.make_node("Concat", outs, [y], name=f"{name}.concat", axis=-1))
     return nodes
+
+
+NATIVE_SCALE_TILE = 16  # host/src/kernels/block_matmul.h, kScaleTile
+
+
+def native_scale_tiles(a: np.ndarray) -> np.ndarray:
+    """[N, K/block] -> float32 [ceil(N/16), K/block, 16]: each tile of 16 outputs' values, block by
+    block (zero past N), the native kernel's layout."""
+    n, nb = a.shape
+    tiles = -(-n // NATIVE_SCALE_TILE)
+    padded = np.zeros((tiles * NATIVE_SCALE_TILE, nb), np.float32)
+    padded[:n] = a
+    return np.ascontiguousarray(padded.reshape(tiles, NATIVE_SCALE_TILE, nb).transpose(0, 2, 1))
+
+
+def _native_scales(graph: onnx.GraphProto, name: str, run: _Digits) -> tuple[str, str]:
+    """The initializers of a run's d and m ("" when every m is zero), added once: float16 when that
+    holds every value exactly (GGUF's block scales are float16), else float32."""
+    d_name, m_name = f"{name}.d", f"{name}.m"
+    d, m = (native_scale_tiles(a) for a in run.native)
+    if d_name not in {t.name for t in graph.initializer}:
+        exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (d, m))
+        dtype = np.float16 if exact else np.float32
+        graph.initializer.append(numpy_helper.from_array(d.astype(dtype), d_name))
+        if m.any():
+            graph.initializer.append(numpy_helper.from_array(m.astype(dtype), m_name))
+    return d_name, m_name if m.any() else ""
 
 
 def _blocksum(x: str, k: int, block: int, cache: dict, nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> str:  # type: ignore[type-arg]

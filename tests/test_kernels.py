@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.default_model import read_gguf
 from specgraph.errors import BundleError, InputError
-from specgraph.exporters.nbits import NATIVE_DOMAIN
+from specgraph.exporters.nbits import NATIVE_DOMAIN, native_scale_tiles
 from specgraph.kernels import ENV, library_path
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
@@ -47,27 +47,28 @@ def _session(node, inits, k: int, n: int) -> ort.InferenceSession:
 @pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("block", [16, 32, 64])
 @pytest.mark.parametrize("offset", [True, False])
-def test_block_matmul_equals_the_dequantised_product(digits, block, offset):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_block_matmul_equals_the_dequantised_product(digits, block, offset, dtype):
     """One node, every row count a verify call uses (1-9 rows, and a [2, T, K] batch), against the
-    float64 product of the dequantised weight: float32 rounding only."""
+    float64 product of the dequantised weight `d * code + m`: float32 rounding only."""
     rng = np.random.default_rng(block + digits)
     n, k = 200, 4 * block  # 200 outputs: whole 16-output tiles and a remainder
     codes = rng.integers(0, 16 if digits == 1 else 256, (n, k))
-    centre = 8 if digits == 1 else 136
-    scale = (rng.random((n, k // block)) * 0.02 + 0.001).astype(np.float32)
-    shift = rng.standard_normal((n, k // block)) * 0.05 if offset else -centre * scale.astype(np.float64)  # c' = 0
-    c = np.ascontiguousarray((shift + centre * scale.astype(np.float64)).astype(np.float32).T)  # c'^T [K/block, N]
-    dequantised = np.repeat(scale, block, 1).astype(np.float64) * (codes - centre)  # [N, K], as stored
-    weight = dequantised + np.repeat(c.T, block, 1)
+    d = (rng.random((k // block, n)) * 0.02 + 0.001).astype(dtype)  # [K/block, N]
+    m = (-(8 if digits == 1 else 136) * d * rng.uniform(0.8, 1.2, d.shape)).astype(dtype) if offset else None
+    weight = np.repeat(d.T.astype(np.float64), block, 1) * codes  # [N, K]
+    if m is not None:
+        weight += np.repeat(m.T.astype(np.float64), block, 1)
     if digits == 1:
-        inits = [numpy_helper.from_array(_pack(codes, block), "q"), numpy_helper.from_array(scale, "s")]
-        inputs = ["x", "q", "s", "c" if offset else ""]
+        inits = [numpy_helper.from_array(_pack(codes, block), "q")]
+        inputs = ["x", "q", "d", "m" if offset else ""]
     else:
-        inits = [numpy_helper.from_array(_pack(codes >> 4, block), "q"), numpy_helper.from_array(scale, "s"),
-                 numpy_helper.from_array(_pack(codes & 15, block), "lo")]  # fmt: skip
-        inputs = ["x", "q", "s", "c" if offset else "", "lo"]
-    if offset:
-        inits.append(numpy_helper.from_array(c, "c"))
+        high, low = _pack(codes >> 4, block), _pack(codes & 15, block)
+        inits = [numpy_helper.from_array(high, "q"), numpy_helper.from_array(low, "lo")]
+        inputs = ["x", "q", "d", "m" if offset else "", "lo"]
+    inits.append(numpy_helper.from_array(native_scale_tiles(d.T).astype(dtype), "d"))
+    if m is not None:
+        inits.append(numpy_helper.from_array(native_scale_tiles(m.T).astype(dtype), "m"))
     while inputs[-1] == "":
         inputs.pop()
     node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)
@@ -83,6 +84,23 @@ def test_block_matmul_equals_the_dequantised_product(digits, block, offset):
     x = rng.standard_normal((6, k)).astype(np.float32)
     alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(6)])
     assert np.array_equal(alone, session.run(None, {"x": x})[0])
+
+
+def test_block_matmul_refuses_scales_of_the_wrong_shape_or_type():
+    k, n, block = 64, 16, 32
+    codes = numpy_helper.from_array(np.zeros((n, k // block, block // 2), np.uint8), "q")
+    x = np.ones((1, k), np.float32)
+    tiles = (1, k // block, 16)
+    for d, m, message in [
+        (np.ones((k // block, n), np.float32), None, r"d or m is not \[ceil\(N/16\), K/block, 16\]"),
+        (np.ones(tiles, np.float64), None, "float32 or both float16"),
+        (np.ones(tiles, np.float32), np.ones(tiles, np.float16), "float32 or both float16"),
+    ]:
+        inits = [codes, numpy_helper.from_array(d, "d")] + ([numpy_helper.from_array(m, "m")] if m is not None else [])
+        node = helper.make_node("BlockMatMul", ["x", "q", "d", "m" if m is not None else ""], ["y"],
+                                domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)  # fmt: skip
+        with pytest.raises(Exception, match=message):
+            _session(node, inits, k, n).run(None, {"x": x})
 
 
 @pytest.mark.parametrize(

@@ -1,25 +1,65 @@
 // The block product (block_matmul.h): a portable loop, and an AVX2 one chosen at run time.
 //
-// Per output n and input row r: y = sum_b s_b * T_b + sum_b c'_b * S_b, where T_b = sum_k x_k *
-// (code_k - centre) over block b (float32 multiply-adds on the centred codes converted to floats)
-// and S_b the block's input sum. This is `sum_b sum_k x_k * (s_b * (code_k - centre) + c'_b)`,
-// the dequantised weight's product, grouped by block.
+// Per output n and input row r: y = sum_b d_b * T_b + sum_b c'_b * S_b (block_matmul.h), the
+// dequantised weight's product `sum_b sum_k x_k * (d_b * code_k + m_b)`, grouped by block.
 #include "block_matmul.h"
 
 #include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
 
 namespace sg::kernels {
 namespace {
 
 constexpr int kRowTile = 4;  // input rows that share one unpacking of a weight block
+constexpr int64_t kChunk = kScaleTile;  // outputs whose d and c' are unpacked together
 
 float centre(const BlockWeights& w) { return w.low ? 136.0f : 8.0f; }
 
+// float16 -> float32, exactly (subnormals, infinities and NaNs included).
+float from_half(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000 | (mantissa << 13);
+  } else if (exponent) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (!mantissa) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Where d and m hold block b of output n.
+int64_t scale_at(const BlockWeights& w, int64_t b, int64_t n) {
+  return ((n / kScaleTile) * (w.k / w.block) + b) * kScaleTile + n % kScaleTile;
+}
+
+// Element i of d or m.
+float value(const BlockWeights& w, const void* p, int64_t i) {
+  return w.half ? from_half(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// c' = m + centre * d of element i, rounded once.
+float shift(const BlockWeights& w, int64_t i) {
+  return std::fma(centre(w), value(w, w.scale, i), w.offset ? value(w, w.offset, i) : 0.0f);
+}
+
 // The offset part of y[r, n]: sum_b c'_b * S_b.
 float offset_term(const BlockWeights& w, const float* sums, int64_t n) {
-  if (!w.offset) return 0.0f;
   float total = 0.0f;
-  for (int64_t b = 0; b < w.k / w.block; ++b) total += w.offset[b * w.n + n] * sums[b];
+  for (int64_t b = 0; b < w.k / w.block; ++b) total = std::fma(shift(w, scale_at(w, b, n)), sums[b], total);
   return total;
 }
 
@@ -45,110 +85,189 @@ void portable(const BlockWeights& w, const PreparedInput& in, float* y, int64_t 
           t += x[b * w.block + j] * centred_code(w, n, b * w.block + 2 * j);
           t += x[b * w.block + half + j] * centred_code(w, n, b * w.block + 2 * j + 1);
         }
-        total += w.scale[n * nb + b] * t;
+        total += value(w, w.scale, scale_at(w, b, n)) * t;
       }
       y[r * w.n + n] = total + offset_term(w, in.sums + r * nb, n);
     }
   }
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+__attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
 
-// Rows [r0, r0 + R) of y for outputs [n_begin, n_end): each 8 packed bytes of a block are
+// Rows [r0, r0 + R) of y for the C outputs [n0, n0 + C): each 8 packed bytes of a block are
 // unpacked once into 8 even and 8 odd centred codes, then multiplied into every row of the tile.
-// Every row takes the same operations in the same order whatever R is, so a row of a many-row
-// call equals the same row computed alone, bit for bit (a verify call rounds as a step does).
+// Each (row, output) pair keeps its own chain of multiply-adds, in the same order whatever R and C
+// are, so a row of a many-row call equals the same row computed alone, bit for bit (a verify call
+// rounds as a step does); the R * C chains are independent, which hides the multiply-add latency.
 // Two: two digits (w.low set); H: block / 2 when fixed at compile time (the common 32-weight
-// blocks, so the byte loop unrolls), 0 to read it from w.
-template <int R, bool Two, int H>
-__attribute__((target("avx2,fma"))) void tile_avx2(const BlockWeights& w, const PreparedInput& in, float* y,
-                                                   int64_t n_begin, int64_t n_end, int64_t r0) {
-  const int64_t nb = w.k / w.block, half = H ? H : w.block / 2;
+// blocks, so the byte loop unrolls), 0 to read it from w. d: the chunk's scales as float32,
+// [K/block, kChunk] from output n0's column.
+template <int R, int C, bool Two, int H>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, const PreparedInput& in, float* y,
+                                                        int64_t n_first, int64_t count, int64_t r0, const float* d_first) {
+  const int64_t nb = w.k / w.block, half = H ? H : w.block / 2, block = 2 * half;
   const __m256i nibble = _mm256_set1_epi32(0x0F);
   const __m256i top = _mm256_set1_epi32(0xF0);
   const __m256i centre_codes = _mm256_set1_epi32(static_cast<int>(centre(w)));
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const uint8_t* hp = w.high + n * nb * half;
-    const uint8_t* lp = Two ? w.low + n * nb * half : nullptr;
-    const float* sp = w.scale + n * nb;
+  for (int64_t first = 0; first + C <= count; first += C) {
+    const int64_t n0 = n_first + first;
+    const float* d = d_first + first;
+    // running pointers (a block's inputs, each output's packed digits), advanced a block at a time
+    const float* x[R];
+    const uint8_t* hp[C];
+    const uint8_t* lp[C];
+    for (int r = 0; r < R; ++r) x[r] = in.paired + (r0 + r) * w.k;
+    for (int c = 0; c < C; ++c) {
+      hp[c] = w.high + (n0 + c) * nb * half;
+      lp[c] = Two ? w.low + (n0 + c) * nb * half : nullptr;
+    }
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      __m256 t[R];  // T_b of each row, in 8 lanes
-      for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_ps();
+      __m256 t[R][C];  // T_b of each row and output, in 8 lanes
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) t[r][c] = _mm256_setzero_ps();
       for (int64_t j = 0; j < half; j += 8) {
-        // 8 packed bytes widened to 8 lanes, then split into nibbles within each lane
-        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hp + b * half + j)));
-        __m256i even, odd;
-        if (Two) {  // code = 16 * high + low
-          const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lp + b * half + j)));
-          even = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h, nibble), 4), _mm256_and_si256(l, nibble));
-          odd = _mm256_or_si256(_mm256_and_si256(h, top), _mm256_srli_epi32(l, 4));
-        } else {
-          even = _mm256_and_si256(h, nibble);
-          odd = _mm256_srli_epi32(h, 4);
-        }
-        const __m256 qe = _mm256_cvtepi32_ps(_mm256_sub_epi32(even, centre_codes));  // centred codes of inputs 2j
-        const __m256 qo = _mm256_cvtepi32_ps(_mm256_sub_epi32(odd, centre_codes));   // and of inputs 2j + 1
+        __m256 xe[R], xo[R];
         for (int r = 0; r < R; ++r) {
-          const float* x = in.paired + (r0 + r) * w.k + b * w.block;
-          t[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), qe, t[r]);
-          t[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + half + j), qo, t[r]);
+          xe[r] = _mm256_loadu_ps(x[r] + j);
+          xo[r] = _mm256_loadu_ps(x[r] + half + j);
+        }
+        for (int c = 0; c < C; ++c) {
+          // 8 packed bytes widened to 8 lanes, then split into nibbles within each lane
+          const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hp[c] + j)));
+          __m256i even, odd;
+          if (Two) {  // code = 16 * high + low
+            const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lp[c] + j)));
+            even = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h, nibble), 4), _mm256_and_si256(l, nibble));
+            odd = _mm256_or_si256(_mm256_and_si256(h, top), _mm256_srli_epi32(l, 4));
+          } else {
+            even = _mm256_and_si256(h, nibble);
+            odd = _mm256_srli_epi32(h, 4);
+          }
+          const __m256 qe = _mm256_cvtepi32_ps(_mm256_sub_epi32(even, centre_codes));  // centred codes of inputs 2j
+          const __m256 qo = _mm256_cvtepi32_ps(_mm256_sub_epi32(odd, centre_codes));   // and of inputs 2j + 1
+          for (int r = 0; r < R; ++r) {
+            t[r][c] = _mm256_fmadd_ps(xe[r], qe, t[r][c]);
+            t[r][c] = _mm256_fmadd_ps(xo[r], qo, t[r][c]);
+          }
         }
       }
-      const __m256 s = _mm256_set1_ps(sp[b]);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(t[r], s, acc[r]);  // s_b * T_b
+      for (int c = 0; c < C; ++c) {
+        const __m256 s = _mm256_broadcast_ss(d + b * kChunk + c);
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(t[r][c], s, acc[r][c]);  // d_b * T_b
+      }
+      for (int r = 0; r < R; ++r) x[r] += block;
+      for (int c = 0; c < C; ++c) {
+        hp[c] += half;
+        if (Two) lp[c] += half;
+      }
     }
-    for (int r = 0; r < R; ++r) y[(r0 + r) * w.n + n] = hsum(acc[r]);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) y[(r0 + r) * w.n + n0 + c] = hsum(acc[r][c]);
   }
 }
 
-// y[r, n] += sum_b c'[b, n] * S[r, b] for every row, eight outputs at a time (c' is [K/block, N]).
-__attribute__((target("avx2,fma"))) void offsets_avx2(const BlockWeights& w, const PreparedInput& in, float* y,
-                                                      int64_t n_begin, int64_t n_end) {
-  if (!w.offset) return;
+// Rows [r0, r0 + R) for the chunk's outputs [n0, n0 + count): C outputs at a time, then one at a time.
+template <int R, int C, bool Two, int H>
+void columns_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, int64_t r0,
+                  const float* d) {
+  const int64_t whole = count / C * C;
+  tile_avx2<R, C, Two, H>(w, in, y, n0, whole, r0, d);
+  if (whole < count) tile_avx2<R, 1, Two, H>(w, in, y, n0 + whole, count - whole, r0, d + whole);
+}
+
+// Eight consecutive elements of d or m, from element i.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 eight(const BlockWeights& w, const void* p, int64_t i) {
+  if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+  return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+// d and c' = m + centre * d of the outputs [n0, n0 + count) as float32, [K/block, kChunk] each,
+// zero past count.
+__attribute__((target("avx2,fma,f16c"))) void unpack_chunk(const BlockWeights& w, int64_t n0, int64_t count,
+                                                           float* d, float* shifts) {
+  const int64_t nb = w.k / w.block;
+  const __m256 centre8 = _mm256_set1_ps(centre(w));
+  for (int64_t b = 0; b < nb; ++b) {
+    float* db = d + b * kChunk;
+    float* sb = shifts + b * kChunk;
+    if (count == kChunk && n0 % kChunk == 0) {  // one contiguous run of the stored layout
+      for (int64_t c = 0; c < kChunk; c += 8) {
+        const int64_t at = scale_at(w, b, n0 + c);
+        const __m256 scale = eight(w, w.scale, at);
+        const __m256 m = w.offset ? eight(w, w.offset, at) : _mm256_setzero_ps();
+        _mm256_storeu_ps(db + c, scale);
+        _mm256_storeu_ps(sb + c, _mm256_fmadd_ps(centre8, scale, m));
+      }
+    } else {
+      for (int64_t c = 0; c < kChunk; ++c) {
+        db[c] = c < count ? value(w, w.scale, scale_at(w, b, n0 + c)) : 0.0f;
+        sb[c] = c < count ? shift(w, scale_at(w, b, n0 + c)) : 0.0f;
+      }
+    }
+  }
+}
+
+// y[r, n] += sum_b c'[b, n] * S[r, b] for every row and the chunk's outputs.
+__attribute__((target("avx2,fma,f16c"))) void offsets_avx2(const BlockWeights& w, const PreparedInput& in, float* y,
+                                                           int64_t n0, int64_t count, const float* shifts) {
   const int64_t nb = w.k / w.block;
   for (int64_t r = 0; r < in.rows; ++r) {
     const float* sums = in.sums + r * nb;
-    float* yr = y + r * w.n;
-    int64_t n = n_begin;
-    for (; n + 8 <= n_end; n += 8) {
-      __m256 acc = _mm256_loadu_ps(yr + n);
-      for (int64_t b = 0; b < nb; ++b) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w.offset + b * w.n + n), _mm256_set1_ps(sums[b]), acc);
-      _mm256_storeu_ps(yr + n, acc);
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 s = _mm256_broadcast_ss(sums + b);
+      lo = _mm256_fmadd_ps(_mm256_loadu_ps(shifts + b * kChunk), s, lo);
+      hi = _mm256_fmadd_ps(_mm256_loadu_ps(shifts + b * kChunk + 8), s, hi);
     }
-    for (; n < n_end; ++n) yr[n] += offset_term(w, sums, n);
+    alignas(32) float total[kChunk];
+    _mm256_store_ps(total, lo);
+    _mm256_store_ps(total + 8, hi);
+    for (int64_t c = 0; c < count; ++c) y[r * w.n + n0 + c] += total[c];
   }
 }
 
 template <bool Two, int H>
-void rows_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
+void rows_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, const float* d) {
   int64_t r = 0;
-  for (; r + kRowTile <= in.rows; r += kRowTile) tile_avx2<kRowTile, Two, H>(w, in, y, n_begin, n_end, r);
+  for (; r + kRowTile <= in.rows; r += kRowTile) columns_avx2<kRowTile, 1, Two, H>(w, in, y, n0, count, r, d);
   switch (in.rows - r) {
-    case 3: tile_avx2<3, Two, H>(w, in, y, n_begin, n_end, r); break;
-    case 2: tile_avx2<2, Two, H>(w, in, y, n_begin, n_end, r); break;
-    case 1: tile_avx2<1, Two, H>(w, in, y, n_begin, n_end, r); break;
+    case 3: columns_avx2<3, 1, Two, H>(w, in, y, n0, count, r, d); break;
+    case 2: columns_avx2<2, 1, Two, H>(w, in, y, n0, count, r, d); break;
+    case 1: columns_avx2<1, 4, Two, H>(w, in, y, n0, count, r, d); break;
     default: break;
   }
 }
 
+// Outputs [n_begin, n_end) in chunks of kChunk: each chunk's scales unpacked once, for every row.
 void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
   const bool two = w.low != nullptr, fixed = w.block == 32;
-  if (two && fixed) rows_avx2<true, 16>(w, in, y, n_begin, n_end);
-  if (two && !fixed) rows_avx2<true, 0>(w, in, y, n_begin, n_end);
-  if (!two && fixed) rows_avx2<false, 16>(w, in, y, n_begin, n_end);
-  if (!two && !fixed) rows_avx2<false, 0>(w, in, y, n_begin, n_end);
-  offsets_avx2(w, in, y, n_begin, n_end);
+  const int64_t nb = w.k / w.block;
+  thread_local std::vector<float> scratch;  // ONNX Runtime's pool threads each run chunks
+  scratch.resize(static_cast<size_t>(2 * nb * kChunk));
+  float* d = scratch.data();
+  float* shifts = d + nb * kChunk;
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kChunk) {
+    const int64_t count = n_end - n0 < kChunk ? n_end - n0 : kChunk;
+    unpack_chunk(w, n0, count, d, shifts);
+    if (two && fixed) rows_avx2<true, 16>(w, in, y, n0, count, d);
+    if (two && !fixed) rows_avx2<true, 0>(w, in, y, n0, count, d);
+    if (!two && fixed) rows_avx2<false, 16>(w, in, y, n0, count, d);
+    if (!two && !fixed) rows_avx2<false, 0>(w, in, y, n0, count, d);
+    offsets_avx2(w, in, y, n0, count, shifts);
+  }
 }
 
 bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return yes;
 }
 

@@ -1,10 +1,18 @@
 // y = x @ W^T with W held as the integer blocks specgraph's bundles store (exporters/nbits.py),
 // multiplied in float32: the exact product of the dequantised weight, to float rounding.
 //
-// W's block b of row n is `scale[n, b] * (codes - centre) + c'[b, n]`, the layout of the
-// MatMulNBits rewrite: codes are one 4-bit digit (centre 8), or two (`16 * high + low`, centre
-// 136, scale the low digit's). Digits are packed two a byte, weight 2j in the low nibble and
-// 2j + 1 in the high one, [N, K / block, block / 2].
+// W's block b of row n is `d[b, n] * code + m[b, n]` (the stored format's own scale and offset,
+// e.g. a GGUF block's), with codes one 4-bit digit, or two (`16 * high + low`, d the low digit's
+// scale). Digits are packed two a byte, weight 2j in the low nibble and 2j + 1 in the high one,
+// [N, K / block, block / 2]. d and m are float32 or float16 (GGUF's own scales are float16, so
+// storing them so is exact and reads the bytes llama.cpp reads), laid out [ceil(N / 16), K / block,
+// 16]: for each tile of 16 outputs, block by block, the tile's 16 values (zero past N), so that a
+// tile's scales are one contiguous run.
+//
+// The product is computed on centred codes: y = sum_b d_b * T_b + c'_b * S_b with T_b =
+// sum_k x_k * (code_k - centre) over block b, S_b the block's input sum and c'_b = m_b + centre *
+// d_b (centre 8 for one digit, 136 for two), which keeps both terms small when m_b is near
+// -centre * d_b, as in symmetric formats.
 #pragma once
 
 #include <cstddef>
@@ -12,14 +20,17 @@
 
 namespace sg::kernels {
 
+constexpr int64_t kScaleTile = 16;  // outputs whose d and m are stored together
+
 struct BlockWeights {
   int64_t n = 0;                   // output features (rows of W)
   int64_t k = 0;                   // input features
   int64_t block = 0;               // weights per block: a multiple of 16
   const uint8_t* high = nullptr;   // the only digit, or the high one
   const uint8_t* low = nullptr;    // the low digit, or nullptr for one digit
-  const float* scale = nullptr;    // [N, K / block]
-  const float* offset = nullptr;   // c'^T [K / block, N], or nullptr when every c' is zero
+  const void* scale = nullptr;     // d [ceil(N / 16), K / block, 16]
+  const void* offset = nullptr;    // m, the same layout, or nullptr when every m is zero
+  bool half = false;               // d and m are float16 (else float32)
 };
 
 // x rearranged once per call: each block's even inputs, then its odd ones, and each block's sum.

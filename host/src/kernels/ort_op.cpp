@@ -2,9 +2,11 @@
 // block_matmul.h as one node. ONNX Runtime loads it with RegisterCustomOpsLibrary (Python:
 // SessionOptions.register_custom_ops_library), which calls RegisterCustomOps below.
 //
-//   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], scale [N, K/block],
-//               offset c'^T [K/block, N] (optional), low uint8 [N, K/block, block/2] (optional))
+//   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], d [ceil(N/16), K/block, 16],
+//               m (d's shape, optional), low uint8 [N, K/block, block/2] (optional))
 //     -> y [..., N]                                   attributes: K, N, block_size
+//
+// d and m are both float32 or both float16 (block_matmul.h).
 //
 // As host/src/ort_api.h does, the C API is declared here from its documented ABI (the table's
 // indices and OrtCustomOp's fields), so no ONNX Runtime header is needed to build it.
@@ -30,7 +32,7 @@ using sg::ort::ApiBase;
 using sg::ort::Fn;
 using sg::ort::take;
 
-constexpr int kFloat = 1, kUint8 = 2;                  // ONNXTensorElementDataType
+constexpr int kAny = 0, kFloat = 1, kUint8 = 2, kHalf = 10;  // ONNXTensorElementDataType
 constexpr int kRequired = 0, kOptional = 1;            // OrtCustomOpInputOutputCharacteristic
 constexpr int kInvalidArgument = 2, kFail = 1;         // OrtErrorCode
 constexpr uint32_t kApiVersion = 17;                   // ONNX Runtime 1.17: the first with slot 274
@@ -42,6 +44,7 @@ struct Api {
   OrtStatus* (*CustomOpDomain_Add)(OrtCustomOpDomain*, const void* op);                           // 27
   OrtStatus* (*AddCustomOpDomain)(OrtSessionOptions*, OrtCustomOpDomain*);                        // 28
   OrtStatus* (*GetTensorMutableData)(OrtValue*, void** out);                                      // 51
+  OrtStatus* (*GetTensorElementType)(const OrtShapeInfo*, int* out);                              // 60
   OrtStatus* (*GetDimensionsCount)(const OrtShapeInfo*, size_t* out);                             // 61
   OrtStatus* (*GetDimensions)(const OrtShapeInfo*, int64_t* out, size_t n);                       // 62
   OrtStatus* (*GetTensorTypeAndShape)(const OrtValue*, OrtShapeInfo** out);                       // 65
@@ -98,11 +101,12 @@ OrtStatus* fail(const std::string& message) {
   return g_api.CreateStatus(kInvalidArgument, ("specgraph.BlockMatMul: " + message).c_str());
 }
 
-OrtStatus* shape_of(const OrtValue* value, std::vector<int64_t>& dims) {
+OrtStatus* shape_of(const OrtValue* value, std::vector<int64_t>& dims, int* type = nullptr) {
   OrtShapeInfo* info = nullptr;
   SG_TRY(g_api.GetTensorTypeAndShape(value, &info));
   size_t n = 0;
-  OrtStatus* status = g_api.GetDimensionsCount(info, &n);
+  OrtStatus* status = type ? g_api.GetTensorElementType(info, type) : nullptr;
+  if (!status) status = g_api.GetDimensionsCount(info, &n);
   if (!status) {
     dims.assign(n, 0);
     status = g_api.GetDimensions(info, dims.data(), n);
@@ -142,13 +146,24 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   const Kernel& kernel = *static_cast<const Kernel*>(kernel_ptr);
   const OrtValue* in[5] = {};
   for (size_t i = 0; i < 5; ++i) SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
-  std::vector<int64_t> x_dims, high_dims;
+  std::vector<int64_t> x_dims, high_dims, scale_dims, offset_dims;
+  int scale_type = 0, offset_type = 0;
   SG_TRY(shape_of(in[0], x_dims));
   SG_TRY(shape_of(in[1], high_dims));
+  SG_TRY(shape_of(in[2], scale_dims, &scale_type));
+  if (in[3]) SG_TRY(shape_of(in[3], offset_dims, &offset_type));
   const int64_t nb = kernel.k / kernel.block, half = kernel.block / 2;
   if (x_dims.empty() || x_dims.back() != kernel.k) return fail("input's last dimension is not K");
   if (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half) {
     return fail("packed codes are not [N, K/block, block/2]");
+  }
+  const int64_t tile = sg::kernels::kScaleTile;
+  const std::vector<int64_t> scales_shape{(kernel.n + tile - 1) / tile, nb, tile};
+  if (scale_dims != scales_shape || (in[3] && offset_dims != scales_shape)) {
+    return fail("d or m is not [ceil(N/16), K/block, 16]");
+  }
+  if ((scale_type != kFloat && scale_type != kHalf) || (in[3] && offset_type != scale_type)) {
+    return fail("d and m must both be float32 or both float16");
   }
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < x_dims.size(); ++i) rows *= x_dims[i];
@@ -162,6 +177,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   SG_TRY(data_of(in[1], &w.high));
   SG_TRY(data_of(in[2], &w.scale));
   if (in[3]) SG_TRY(data_of(in[3], &w.offset));
+  w.half = scale_type == kHalf;
   if (in[4]) SG_TRY(data_of(in[4], &w.low));
 
   std::vector<int64_t> y_dims(x_dims);
@@ -202,7 +218,7 @@ OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void*
 
 const char* name(const CustomOp*) { return "BlockMatMul"; }
 const char* provider(const CustomOp*) { return "CPUExecutionProvider"; }
-int input_type(const CustomOp*, size_t i) { return i == 1 || i == 4 ? kUint8 : kFloat; }
+int input_type(const CustomOp*, size_t i) { return i == 1 || i == 4 ? kUint8 : i == 0 ? kFloat : kAny; }
 size_t input_count(const CustomOp*) { return 5; }
 int output_type(const CustomOp*, size_t) { return kFloat; }
 size_t output_count(const CustomOp*) { return 1; }
@@ -261,6 +277,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   take(t, 27, g_api.CustomOpDomain_Add);
   take(t, 28, g_api.AddCustomOpDomain);
   take(t, 51, g_api.GetTensorMutableData);
+  take(t, 60, g_api.GetTensorElementType);
   take(t, 61, g_api.GetDimensionsCount);
   take(t, 62, g_api.GetDimensions);
   take(t, 65, g_api.GetTensorTypeAndShape);
