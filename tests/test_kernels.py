@@ -49,8 +49,9 @@ def _session(node, inits, k: int, n: int) -> ort.InferenceSession:
 @pytest.mark.parametrize("offset", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_block_matmul_equals_the_dequantised_product(digits, block, offset, dtype):
-    """One node, every row count a verify call uses (1-9 rows, and a [2, T, K] batch), against the
-    float64 product of the dequantised weight `d * code + m`: float32 rounding only."""
+    """One node, every row count a verify call uses (1-9 rows, and a [2, T, K] batch) and a prompt's
+    (13 and 20 rows, whose codes the kernel converts once a call), against the float64 product of
+    the dequantised weight `d * code + m`: float32 rounding only."""
     rng = np.random.default_rng(block + digits)
     n, k = 200, 4 * block  # 200 outputs: whole 16-output tiles and a remainder
     codes = rng.integers(0, 16 if digits == 1 else 256, (n, k))
@@ -73,7 +74,7 @@ def test_block_matmul_equals_the_dequantised_product(digits, block, offset, dtyp
         inputs.pop()
     node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)
     session = _session(node, inits, k, n)
-    for shape in [(1, k), (2, k), (3, k), (4, k), (5, k), (9, k), (2, 3, k), (1, 0, k)]:
+    for shape in [(1, k), (2, k), (3, k), (4, k), (5, k), (9, k), (13, k), (2, 3, k), (2, 10, k), (1, 0, k)]:
         x = rng.standard_normal(shape).astype(np.float32)
         got = session.run(None, {"x": x})[0]
         want = x.astype(np.float64) @ weight.T
@@ -81,8 +82,9 @@ def test_block_matmul_equals_the_dequantised_product(digits, block, offset, dtyp
         if want.size:
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # a row computed alone equals the same row within a many-row call (one rounding for every call)
-    x = rng.standard_normal((6, k)).astype(np.float32)
-    alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(6)])
+    x = rng.standard_normal((17, k)).astype(np.float32)
+    alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(17)])
+    assert np.array_equal(alone[:6], session.run(None, {"x": x[:6]})[0])
     assert np.array_equal(alone, session.run(None, {"x": x})[0])
 
 
