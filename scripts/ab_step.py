@@ -25,6 +25,9 @@ def _arm(spec: str) -> tuple[Engine, SamplingParams]:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     arms = [_arm(spec) for spec in sys.argv[1:]]
     print("arms:", sys.argv[1:])
     times: dict[tuple[int, int], list[float]] = {}
