@@ -1,14 +1,16 @@
 """Interleaved A/B of one engine call: median ms of a 1-token and an 8-token step for each bundle,
 rounds in rotated order (the first engine of a round runs slower on this machine), so order and
-a slow moment hit every arm alike. A bundle may carry sampling
+a slow moment hit every arm alike, and each arm's median ratio to the first arm within a round. A bundle may carry sampling
 settings after a colon: BUNDLE:TEMPERATURE[:TOP_K[:TOP_P]] (e.g. out/s-none:0.7::0.9).
 
     python scripts/ab_step.py out/smollm2-none out/smollm2-medusa
     python scripts/ab_step.py out/smollm2-none out/s-none out/s-none:0.7 out/s-none:0.7:0:0.9
+    ROUNDS=40 python scripts/ab_step.py out/a out/b     # more rounds (default: twice the arms)
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 
@@ -31,7 +33,7 @@ def main() -> None:
     arms = [_arm(spec) for spec in sys.argv[1:]]
     print("arms:", sys.argv[1:])
     times: dict[tuple[int, int], list[float]] = {}
-    rounds = 2 * len(arms)
+    rounds = int(os.environ.get("ROUNDS", 2 * len(arms)))
     for r in range(rounds):  # the order rotates every round: the first arm of a round runs slower here
         for i in [(r + j) % len(arms) for j in range(len(arms))]:
             engine, params = arms[i]
@@ -41,6 +43,9 @@ def main() -> None:
         print(
             f"c({n}) ms, median of {rounds} rotated rounds:",
             [round(statistics.median(times[i, n]), 2) for i in range(len(arms))],
+            "; ratio to the first arm, median over rounds:",
+            [round(statistics.median(a / b for a, b in zip(times[i, n], times[0, n], strict=True)), 3)
+             for i in range(len(arms))],
         )
 
 
