@@ -466,7 +466,7 @@ def _weights_line(w: dict[str, Any]) -> str:
 def _kernels_note(w: dict[str, Any]) -> str:
     if w.get("kernels") != "native":
         return ""
-    return "; native kernels (runs where libspecgraph_kernels.so is: --kernels ort for any ONNX Runtime)"
+    return "; native kernels for the products and the attention (runs where libspecgraph_kernels.so is: --kernels ort for any ONNX Runtime)"
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

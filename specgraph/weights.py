@@ -99,8 +99,10 @@ def store_weights(
     kernels: str = "ort",
 ) -> dict[str, Any]:
     """Rewrite the exported engine's matrices for `weights`; return the manifest's `weights` section.
-    Initializers whose names start with `skip` (a drafter's own weights) are left as they are."""
+    Initializers whose names start with `skip` (a drafter's own weights) are left as they are. With
+    native kernels the fused attention layers run specgraph's own `CachedAttention` too."""
     from specgraph import blocks
+    from specgraph.exporters.attention import run_attention_natively
     from specgraph.exporters.nbits import run_weights_as_blocks
 
     say = progress or (lambda _msg: None)
@@ -125,6 +127,7 @@ def store_weights(
         return section
     say("store weights as blocks")
     report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations], native=kernels == "native")
+    attention = run_attention_natively(onnx_path) if kernels == "native" else 0  # the library is loaded anyway
     section.update(
         stored="blocks",
         matmuls=report.matmuls,
@@ -135,6 +138,7 @@ def store_weights(
         exact=activations == "fp32",
         kernels=kernels,
         native_matmuls=report.native,
+        native_attention=attention,
     )
     return section
 

@@ -1,10 +1,12 @@
-"""specgraph's own ONNX Runtime operator (`--kernels native`, host/src/kernels/): the block product
-equals the dequantised weight's in float32, native engines equal HF on the GGUF and speculation
-equals its own none engine, and what cannot run is refused in one line."""
+"""specgraph's own ONNX Runtime operators (`--kernels native`, host/src/kernels/): the block product
+equals the dequantised weight's in float32, the cached attention equals attention computed here
+for every call shape, native engines equal HF on the GGUF and speculation equals its own none
+engine, and what cannot run is refused in one line."""
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -103,6 +105,135 @@ def test_block_matmul_refuses_scales_of_the_wrong_shape_or_type():
                                 domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)  # fmt: skip
         with pytest.raises(Exception, match=message):
             _session(node, inits, k, n).run(None, {"x": x})
+
+
+def _attention_session() -> ort.InferenceSession:
+    names = ["q", "k", "v", "past_key", "past_value", "seqlens", "cos", "sin"]
+    types = [TensorProto.INT32 if n == "seqlens" else TensorProto.FLOAT for n in names]
+    node = helper.make_node("CachedAttention", names, ["out", "present_key", "present_value"], domain=NATIVE_DOMAIN,
+                            num_heads=4, kv_num_heads=2, scale=0.3)  # fmt: skip
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types, strict=True)],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(NATIVE_DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(library_path()))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [..., D] rotated by cos, sin [..., D/2] (non-interleaved), in float64."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def _attention_reference(feeds: dict[str, np.ndarray], heads: int, kv_heads: int, scale: float):  # type: ignore[no-untyped-def]
+    """(out, keys, values) in float64: rotate, write at each row's position, attend causally."""
+    q, k, v = (feeds[n].astype(np.float64) for n in "qkv")
+    keys, values = feeds["past_key"].astype(np.float64), feeds["past_value"].astype(np.float64)
+    batch, tokens, _ = q.shape
+    d = keys.shape[-1]
+    cos, sin = feeds["cos"][:, :, None, :], feeds["sin"][:, :, None, :]
+    q = _rotate(q.reshape(batch, tokens, heads, d), cos, sin)
+    k = _rotate(k.reshape(batch, tokens, kv_heads, d), cos, sin)
+    v = v.reshape(batch, tokens, kv_heads, d)
+    out = np.zeros_like(q)
+    for b in range(batch):
+        start = int(feeds["seqlens"][b]) + 1 - tokens
+        keys[b, :, start : start + tokens] = k[b].transpose(1, 0, 2)
+        values[b, :, start : start + tokens] = v[b].transpose(1, 0, 2)
+        for t in range(tokens):
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                scores = keys[b, g, : start + t + 1] @ q[b, t, h] * scale
+                p = np.exp(scores - scores.max())
+                out[b, t, h] = (p / p.sum()) @ values[b, g, : start + t + 1]
+    return out.reshape(batch, tokens, heads * d), keys, values
+
+
+def _attention_feeds(rng, batch: int, tokens: int, positions: list[int], d: int, slots: int = 40):  # type: ignore[no-untyped-def]
+    angles = rng.uniform(-3, 3, (batch, tokens, d // 2))
+    return {
+        "q": rng.standard_normal((batch, tokens, 4 * d)).astype(np.float32),
+        "k": rng.standard_normal((batch, tokens, 2 * d)).astype(np.float32),
+        "v": rng.standard_normal((batch, tokens, 2 * d)).astype(np.float32),
+        "past_key": rng.standard_normal((batch, 2, slots, d)).astype(np.float32),
+        "past_value": rng.standard_normal((batch, 2, slots, d)).astype(np.float32),
+        "seqlens": np.asarray([p + tokens - 1 for p in positions], np.int32),
+        "cos": np.cos(angles).astype(np.float32),
+        "sin": np.sin(angles).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("d", [8, 64, 20])
+@pytest.mark.parametrize(("batch", "tokens", "positions"), [(1, 1, [0]), (1, 1, [29]), (1, 5, [0]), (2, 3, [4, 17]),
+                                                            (3, 1, [0, 9, 35])])  # fmt: skip
+def test_cached_attention_equals_attention_computed_here(d, batch, tokens, positions):
+    """Every call shape GroupQueryAttention's kernel takes and the batched verify it refuses (2 rows
+    of 3 tokens over caches of different lengths); head sizes on the AVX2 path's 64-wide, 8-wide
+    and leftover loops. The caches come back with the new keys (rotated) and values written."""
+    feeds = _attention_feeds(np.random.default_rng(d + tokens), batch, tokens, positions, d)
+    out, keys, values = _attention_session().run(None, feeds)
+    want = _attention_reference(feeds, 4, 2, 0.3)
+    for got, ref in zip((out, keys, values), want, strict=True):
+        assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+def test_a_token_of_a_many_token_call_equals_it_computed_alone():
+    """What makes native speculation lossless: the 4th token of a 6-token call over a 10-slot cache
+    is the one-token call at position 13 on the cache those 3 tokens wrote, bit for bit."""
+    rng = np.random.default_rng(7)
+    session = _attention_session()
+    feeds = _attention_feeds(rng, 1, 6, [10], 64)
+    many, keys, values = session.run(None, feeds)
+    alone = {n: (a[:, 3:4] if n in ("q", "k", "v", "cos", "sin") else a) for n, a in feeds.items()}
+    alone["past_key"], alone["past_value"], alone["seqlens"] = keys, values, np.asarray([13], np.int32)
+    one, _k, _v = session.run(None, alone)
+    assert np.array_equal(one[0, 0], many[0, 3])
+
+
+def test_cached_attention_refuses_what_does_not_fit_in_one_line():
+    rng = np.random.default_rng(0)
+    session = _attention_session()
+    for change, message in [
+        ({"seqlens": np.asarray([45], np.int32)}, "do not fit the cache"),
+        ({"cos": np.zeros((1, 2, 3), np.float32)}, "do not have the shapes"),
+        ({"k": np.zeros((1, 2, 3 * 8), np.float32)}, "do not have the shapes"),
+    ]:
+        feeds = _attention_feeds(rng, 1, 2, [3], 8) | change
+        with pytest.raises(Exception, match=message) as caught:
+            session.run(None, feeds)
+        assert "specgraph.CachedAttention: " in str(caught.value)
+
+
+def test_a_native_batched_verify_equals_each_row_verified_alone(tmp_path):
+    """The batched verify GroupQueryAttention refuses runs through CachedAttention in one node:
+    the same logits as each row verified alone (native kernels, a Q4_1 GGUF)."""
+    from tests.test_fused_attention import _logits
+
+    path = write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0")
+    compile_model(CompileConfig.of(model=str(path), output=tmp_path / "b", method="none", max_context=160,
+                                   kernels="native", emit_logits=True))  # fmt: skip
+    engine = Engine(tmp_path / "b")
+    model = onnx.load(str(tmp_path / "b" / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("CachedAttention") == engine.manifest["weights"]["native_attention"] > 0
+    assert not any(n.op_type == "If" and n.name.startswith("gqa.") for n in model.graph.node)
+    prompts, drafts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43]], [[12, 13, 14], [44, 45, 46]]
+    alone = []
+    for prompt, draft in zip(prompts, drafts, strict=True):
+        state = engine.new_state(1)
+        _logits(engine, [prompt], [0], state)
+        alone.append(_logits(engine, [draft], [len(prompt)], state)[0])
+    state = engine.new_state(2)
+    width = max(map(len, prompts))
+    _logits(engine, [p + [0] * (width - len(p)) for p in prompts], [0, 0], state)
+    batched = _logits(engine, drafts, [len(p) for p in prompts], state)
+    for got, want in zip(batched, alone, strict=True):
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
 @pytest.mark.parametrize(

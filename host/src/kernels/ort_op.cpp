@@ -1,5 +1,5 @@
 // specgraph's ONNX Runtime operator library: `specgraph.BlockMatMul`, the block product of
-// block_matmul.h as one node. ONNX Runtime loads it with RegisterCustomOpsLibrary (Python:
+// block_matmul.h as one node, and `specgraph.CachedAttention`, attention.h's cached attention. ONNX Runtime loads it with RegisterCustomOpsLibrary (Python:
 // SessionOptions.register_custom_ops_library), which calls RegisterCustomOps below.
 //
 //   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], d [ceil(N/16), K/block, 16],
@@ -7,6 +7,14 @@
 //     -> y [..., N]                                   attributes: K, N, block_size
 //
 // d and m are both float32 or both float16 (block_matmul.h).
+//
+//   CachedAttention(q [B, T, H*D], k [B, T, Hkv*D], v (k's shape), past_key [B, Hkv, S, D],
+//                   past_value (its shape), seqlens int32 [B], cos [B, T, D/2], sin (cos's shape))
+//     -> out [B, T, H*D], present_key, present_value    attributes: num_heads, kv_num_heads, scale
+//
+// GroupQueryAttention's inputs (seqlens[b] = the row's write position + T - 1), with the rotary
+// caches of the two RotaryEmbedding nodes it replaces. present_* are past_* with this call's keys
+// and values written: in place when the host binds them onto past_* (it does), else a copy.
 //
 // As host/src/ort_api.h does, the C API is declared here from its documented ABI (the table's
 // indices and OrtCustomOp's fields), so no ONNX Runtime header is needed to build it.
@@ -17,6 +25,7 @@
 #include <vector>
 
 #include "../ort_table.h"
+#include "attention.h"
 #include "block_matmul.h"
 
 namespace {
@@ -32,7 +41,7 @@ using sg::ort::ApiBase;
 using sg::ort::Fn;
 using sg::ort::take;
 
-constexpr int kAny = 0, kFloat = 1, kUint8 = 2, kHalf = 10;  // ONNXTensorElementDataType
+constexpr int kAny = 0, kFloat = 1, kUint8 = 2, kInt32 = 6, kHalf = 10;  // ONNXTensorElementDataType
 constexpr int kRequired = 0, kOptional = 1;            // OrtCustomOpInputOutputCharacteristic
 constexpr int kInvalidArgument = 2, kFail = 1;         // OrtErrorCode
 constexpr uint32_t kApiVersion = 17;                   // ONNX Runtime 1.17: the first with slot 274
@@ -48,6 +57,7 @@ struct Api {
   OrtStatus* (*GetDimensionsCount)(const OrtShapeInfo*, size_t* out);                             // 61
   OrtStatus* (*GetDimensions)(const OrtShapeInfo*, int64_t* out, size_t n);                       // 62
   OrtStatus* (*GetTensorTypeAndShape)(const OrtValue*, OrtShapeInfo** out);                       // 65
+  OrtStatus* (*KernelInfoGetAttribute_float)(const OrtKernelInfo*, const char* name, float* out);  // 85
   OrtStatus* (*KernelInfoGetAttribute_int64)(const OrtKernelInfo*, const char* name, int64_t* out);  // 86
   OrtStatus* (*KernelContext_GetInput)(const OrtKernelContext*, size_t i, const OrtValue** out);  // 90
   OrtStatus* (*KernelContext_GetOutput)(OrtKernelContext*, size_t i, const int64_t* dims, size_t n,
@@ -97,8 +107,8 @@ struct CustomOp {
     if (status_) return status_;      \
   } while (0)
 
-OrtStatus* fail(const std::string& message) {
-  return g_api.CreateStatus(kInvalidArgument, ("specgraph.BlockMatMul: " + message).c_str());
+OrtStatus* fail(const std::string& message, const char* op = "BlockMatMul") {
+  return g_api.CreateStatus(kInvalidArgument, ("specgraph." + std::string(op) + ": " + message).c_str());
 }
 
 OrtStatus* shape_of(const OrtValue* value, std::vector<int64_t>& dims, int* type = nullptr) {
@@ -266,6 +276,132 @@ CustomOp make_op() {
 
 const CustomOp g_op = make_op();
 
+// ---- CachedAttention ----
+
+struct AttentionKernel {
+  int64_t heads = 0, kv_heads = 0;
+  float scale = 0.0f;
+};
+
+struct AttentionJob {
+  const sg::kernels::AttentionShape* shape;
+  const float *q, *cos, *sin, *keys, *values;
+  const int64_t* write_pos;
+  float* out;
+};
+
+void run_heads(void* data, size_t index) {
+  const AttentionJob& j = *static_cast<const AttentionJob*>(data);
+  const int64_t h = static_cast<int64_t>(index);
+  sg::kernels::cached_attention(*j.shape, j.q, j.cos, j.sin, j.write_pos, j.keys, j.values, j.out, h, h + 1);
+}
+
+OrtStatus* attention_fail(const std::string& message) { return fail(message, "CachedAttention"); }
+
+OrtStatus* attention_compute(void* kernel_ptr, OrtKernelContext* context) {
+  const AttentionKernel& kernel = *static_cast<const AttentionKernel*>(kernel_ptr);
+  const OrtValue* in[8] = {};
+  std::vector<int64_t> dims[8];
+  for (size_t i = 0; i < 8; ++i) {
+    SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
+    SG_TRY(shape_of(in[i], dims[i]));
+  }
+  if (dims[3].size() != 4 || dims[0].size() != 3) return attention_fail("past_key is not [B, Hkv, S, D] or q not [B, T, H*D]");
+  sg::kernels::AttentionShape s;
+  s.batch = dims[0][0];
+  s.tokens = dims[0][1];
+  s.heads = kernel.heads;
+  s.kv_heads = kernel.kv_heads;
+  s.slots = dims[3][2];
+  s.head_dim = dims[3][3];
+  s.scale = kernel.scale;
+  const int64_t d = s.head_dim, half = d / 2;
+  const std::vector<int64_t> q_shape{s.batch, s.tokens, s.heads * d}, kv_shape{s.batch, s.tokens, s.kv_heads * d};
+  const std::vector<int64_t> cache{s.batch, s.kv_heads, s.slots, d}, rot{s.batch, s.tokens, half};
+  if (d % 2 || dims[0] != q_shape || dims[1] != kv_shape || dims[2] != kv_shape || dims[3] != cache ||
+      dims[4] != cache || dims[5] != std::vector<int64_t>{s.batch} || dims[6] != rot || dims[7] != rot) {
+    return attention_fail("inputs do not have the shapes [B, T, H*D], [B, T, Hkv*D] x2, [B, Hkv, S, D] x2, [B], "
+                          "[B, T, D/2] x2");
+  }
+  const float *q = nullptr, *k = nullptr, *v = nullptr, *past_k = nullptr, *past_v = nullptr, *cos = nullptr,
+              *sin = nullptr;
+  const int32_t* seqlens = nullptr;
+  SG_TRY(data_of(in[0], &q));
+  SG_TRY(data_of(in[1], &k));
+  SG_TRY(data_of(in[2], &v));
+  SG_TRY(data_of(in[3], &past_k));
+  SG_TRY(data_of(in[4], &past_v));
+  SG_TRY(data_of(in[5], &seqlens));
+  SG_TRY(data_of(in[6], &cos));
+  SG_TRY(data_of(in[7], &sin));
+  std::vector<int64_t> write_pos(static_cast<size_t>(s.batch));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    write_pos[b] = static_cast<int64_t>(seqlens[b]) + 1 - s.tokens;
+    if (write_pos[b] < 0 || write_pos[b] + s.tokens > s.slots) return attention_fail("a row's tokens do not fit the cache");
+  }
+  OrtValue* outs[3] = {};
+  SG_TRY(g_api.KernelContext_GetOutput(context, 0, q_shape.data(), q_shape.size(), &outs[0]));
+  SG_TRY(g_api.KernelContext_GetOutput(context, 1, cache.data(), cache.size(), &outs[1]));
+  SG_TRY(g_api.KernelContext_GetOutput(context, 2, cache.data(), cache.size(), &outs[2]));
+  float* ptr[3] = {};
+  for (int i = 0; i < 3; ++i) {
+    void* p = nullptr;
+    SG_TRY(g_api.GetTensorMutableData(outs[i], &p));
+    ptr[i] = static_cast<float*>(p);
+  }
+  const size_t cache_floats = static_cast<size_t>(s.batch * s.kv_heads * s.slots * d);
+  if (ptr[1] != past_k) std::memcpy(ptr[1], past_k, cache_floats * sizeof(float));  // not bound in place
+  if (ptr[2] != past_v) std::memcpy(ptr[2], past_v, cache_floats * sizeof(float));
+  sg::kernels::write_cache(s, k, v, cos, sin, write_pos.data(), ptr[1], ptr[2]);
+  AttentionJob job{&s, q, cos, sin, ptr[1], ptr[2], write_pos.data(), ptr[0]};
+  const size_t units = static_cast<size_t>(s.batch * s.heads);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < s.batch; ++b) longest = write_pos[b] > longest ? write_pos[b] : longest;
+  if (s.tokens * (longest + s.tokens) * s.batch < 4096) {  // a step's few dot products: threads cost more
+    sg::kernels::cached_attention(s, q, cos, sin, write_pos.data(), ptr[1], ptr[2], ptr[0], 0, s.batch * s.heads);
+    return nullptr;
+  }
+  return g_api.KernelContext_ParallelFor(context, run_heads, units, units, &job);
+}
+
+OrtStatus* attention_create(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  auto* kernel = new AttentionKernel();
+  OrtStatus* status = g_api.KernelInfoGetAttribute_int64(info, "num_heads", &kernel->heads);
+  if (!status) status = g_api.KernelInfoGetAttribute_int64(info, "kv_num_heads", &kernel->kv_heads);
+  if (!status) status = g_api.KernelInfoGetAttribute_float(info, "scale", &kernel->scale);
+  if (!status && (kernel->heads <= 0 || kernel->kv_heads <= 0 || kernel->heads % kernel->kv_heads)) {
+    status = attention_fail("num_heads must be a positive multiple of kv_num_heads");
+  }
+  if (status) {
+    delete kernel;
+    return status;
+  }
+  *out = kernel;
+  return nullptr;
+}
+
+const char* attention_name(const CustomOp*) { return "CachedAttention"; }
+int attention_input_type(const CustomOp*, size_t i) { return i == 5 ? kInt32 : kFloat; }
+size_t attention_input_count(const CustomOp*) { return 8; }
+size_t attention_output_count(const CustomOp*) { return 3; }
+int required(const CustomOp*, size_t) { return kRequired; }
+void attention_destroy(void* kernel) { delete static_cast<AttentionKernel*>(kernel); }
+
+CustomOp make_attention_op() {
+  CustomOp op = make_op();
+  op.GetName = attention_name;
+  op.GetInputType = attention_input_type;
+  op.GetInputTypeCount = attention_input_count;
+  op.GetOutputTypeCount = attention_output_count;
+  op.GetInputCharacteristic = required;
+  op.KernelDestroy = attention_destroy;
+  op.CreateKernelV2 = attention_create;
+  op.KernelComputeV2 = attention_compute;
+  return op;
+}
+
+const CustomOp g_attention_op = make_attention_op();
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
@@ -281,6 +417,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   take(t, 61, g_api.GetDimensionsCount);
   take(t, 62, g_api.GetDimensions);
   take(t, 65, g_api.GetTensorTypeAndShape);
+  take(t, 85, g_api.KernelInfoGetAttribute_float);
   take(t, 86, g_api.KernelInfoGetAttribute_int64);
   take(t, 90, g_api.KernelContext_GetInput);
   take(t, 91, g_api.KernelContext_GetOutput);
@@ -289,8 +426,10 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   take(t, 274, g_api.KernelContext_ParallelFor);
   OrtCustomOpDomain* domain = nullptr;
   SG_TRY(g_api.CreateCustomOpDomain("specgraph", &domain));
-  return g_api.CustomOpDomain_Add(domain, &g_op) ? g_api.CreateStatus(kFail, "cannot add specgraph.BlockMatMul")
-                                                  : g_api.AddCustomOpDomain(options, domain);
+  if (g_api.CustomOpDomain_Add(domain, &g_op) || g_api.CustomOpDomain_Add(domain, &g_attention_op)) {
+    return g_api.CreateStatus(kFail, "cannot add specgraph's operators");
+  }
+  return g_api.AddCustomOpDomain(options, domain);
 }
 
 // For tests and tools: which code path the block product takes on this CPU.

@@ -1,0 +1,75 @@
+"""Run each fused attention layer as one `specgraph.CachedAttention` node (native kernels).
+
+`exporters/gqa.py` makes each chain layer's cached attention an `If`: ONNX Runtime's
+`GroupQueryAttention` after two `RotaryEmbedding` nodes when its kernel takes the call, the
+generic nodes when it does not (several rows of several tokens over non-empty caches). A bundle
+that runs specgraph's native kernels already loads `libspecgraph_kernels.so`, whose
+`CachedAttention` (host/src/kernels/attention.h) computes the same for every call: the rotation,
+the cache writes and the causal attention, in float32, each token by the same code whatever the
+call's size. So this pass replaces each such `If` with one node that takes the fused branch's
+inputs; the lengths that only the `If`'s condition read are dropped with it.
+
+Only `If`s whose fused branch is exactly the two rotations and the attention node (not the
+padded form int8 activations use, which never runs on native kernels) are replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from specgraph.exporters.gemm import drop_dead
+
+logger = logging.getLogger("specgraph.exporters")
+NATIVE_DOMAIN = "specgraph"  # host/src/kernels/ort_op.cpp
+
+
+def run_attention_natively(path: Path) -> int:
+    """Rewrite `path` in place (weights untouched); return how many layers now run `CachedAttention`."""
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    nodes: list[onnx.NodeProto] = []
+    count = 0
+    for node in graph.node:
+        native = _native(node)
+        if native is not None:
+            count += 1
+        nodes.append(native or node)
+    if not count:
+        return 0
+    del graph.node[:]
+    graph.node.extend(nodes)
+    drop_dead(graph)
+    if NATIVE_DOMAIN not in {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
+    onnx.save_model(model, str(path))
+    logger.debug("%d attention layers run specgraph.CachedAttention", count)
+    return count
+
+
+def _native(node: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The `CachedAttention` node for a fused layer's `If`, or None if `node` is not one."""
+    if node.op_type != "If" or not node.name.startswith("gqa."):
+        return None
+    (branch,) = [a.g for a in node.attribute if a.name == "then_branch"]
+    ops = [n.op_type for n in branch.node]
+    if ops != ["RotaryEmbedding", "RotaryEmbedding", "GroupQueryAttention"]:
+        return None
+    rot_q, rot_k, gqa = branch.node
+    attrs = {a.name: helper.get_attribute_value(a) for a in gqa.attribute}
+    rotary = {a.name: helper.get_attribute_value(a) for a in rot_q.attribute}
+    if rotary.get("interleaved", 0) or rotary.get("rotary_embedding_dim", 0) or len(gqa.input) != 7:
+        return None
+    if list(rot_q.input[1:]) != list(rot_k.input[1:]) or gqa.input[0] != rot_q.output[0] or gqa.input[1] != rot_k.output[0]:
+        return None
+    if "scale" not in attrs or any(a in attrs for a in ("do_rotary", "local_window_size", "softcap")):
+        return None
+    q, k, v, past_k, past_v, seqlens, _total = gqa.input
+    return helper.make_node(
+        "CachedAttention", [rot_q.input[0], rot_k.input[0], v, past_k, past_v, seqlens, *rot_q.input[1:]],
+        list(node.output), name=node.name, domain=NATIVE_DOMAIN,
+        num_heads=int(attrs["num_heads"]), kv_num_heads=int(attrs["kv_num_heads"]), scale=float(attrs["scale"]),
+    )  # fmt: skip
