@@ -170,12 +170,14 @@ def _attention_feeds(rng, batch: int, tokens: int, positions: list[int], d: int,
 
 @pytest.mark.parametrize("d", [8, 64, 20])
 @pytest.mark.parametrize(("batch", "tokens", "positions"), [(1, 1, [0]), (1, 1, [29]), (1, 5, [0]), (2, 3, [4, 17]),
-                                                            (3, 1, [0, 9, 35])])  # fmt: skip
+                                                            (3, 1, [0, 9, 35]), (1, 1, [500]), (2, 4, [100, 130])])  # fmt: skip
 def test_cached_attention_equals_attention_computed_here(d, batch, tokens, positions):
     """Every call shape GroupQueryAttention's kernel takes and the batched verify it refuses (2 rows
     of 3 tokens over caches of different lengths); head sizes on the AVX2 path's 64-wide, 8-wide
-    and leftover loops. The caches come back with the new keys (rotated) and values written."""
-    feeds = _attention_feeds(np.random.default_rng(d + tokens), batch, tokens, positions, d)
+    and leftover loops; long calls, whose heads the intra-op threads share. The caches come back
+    with the new keys (rotated) and values written."""
+    slots = max(40, max(positions) + tokens + 3)
+    feeds = _attention_feeds(np.random.default_rng(d + tokens), batch, tokens, positions, d, slots)
     out, keys, values = _attention_session().run(None, feeds)
     want = _attention_reference(feeds, 4, 2, 0.3)
     for got, ref in zip((out, keys, values), want, strict=True):
@@ -184,15 +186,18 @@ def test_cached_attention_equals_attention_computed_here(d, batch, tokens, posit
 
 def test_a_token_of_a_many_token_call_equals_it_computed_alone():
     """What makes native speculation lossless: the 4th token of a 6-token call over a 10-slot cache
-    is the one-token call at position 13 on the cache those 3 tokens wrote, bit for bit."""
+    is the one-token call at position 13 on the cache those 3 tokens wrote, bit for bit; and so
+    over a 200-slot cache, where the many-token call shares its heads among threads."""
     rng = np.random.default_rng(7)
     session = _attention_session()
-    feeds = _attention_feeds(rng, 1, 6, [10], 64)
-    many, keys, values = session.run(None, feeds)
-    alone = {n: (a[:, 3:4] if n in ("q", "k", "v", "cos", "sin") else a) for n, a in feeds.items()}
-    alone["past_key"], alone["past_value"], alone["seqlens"] = keys, values, np.asarray([13], np.int32)
-    one, _k, _v = session.run(None, alone)
-    assert np.array_equal(one[0, 0], many[0, 3])
+    for start in (10, 200):
+        feeds = _attention_feeds(rng, 1, 6, [start], 64, start + 10)
+        many, keys, values = session.run(None, feeds)
+        alone = {n: (a[:, 3:4] if n in ("q", "k", "v", "cos", "sin") else a) for n, a in feeds.items()}
+        alone["past_key"], alone["past_value"] = keys, values
+        alone["seqlens"] = np.asarray([start + 3], np.int32)
+        one, _k, _v = session.run(None, alone)
+        assert np.array_equal(one[0, 0], many[0, 3])
 
 
 def test_cached_attention_refuses_what_does_not_fit_in_one_line():

@@ -357,7 +357,7 @@ OrtStatus* attention_compute(void* kernel_ptr, OrtKernelContext* context) {
   const size_t units = static_cast<size_t>(s.batch * s.heads);
   int64_t longest = 0;
   for (int64_t b = 0; b < s.batch; ++b) longest = write_pos[b] > longest ? write_pos[b] : longest;
-  if (s.tokens * (longest + s.tokens) * s.batch < 4096) {  // a step's few dot products: threads cost more
+  if (s.batch * s.tokens * (longest + s.tokens) < 384) {  // a short step: waking a thread costs more
     sg::kernels::cached_attention(s, q, cos, sin, write_pos.data(), ptr[1], ptr[2], ptr[0], 0, s.batch * s.heads);
     return nullptr;
   }
