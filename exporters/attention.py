@@ -63,7 +63,11 @@ def _native(node: onnx.NodeProto) -> onnx.NodeProto | None:
     rotary = {a.name: helper.get_attribute_value(a) for a in rot_q.attribute}
     if rotary.get("interleaved", 0) or rotary.get("rotary_embedding_dim", 0) or len(gqa.input) != 7:
         return None
-    if list(rot_q.input[1:]) != list(rot_k.input[1:]) or gqa.input[0] != rot_q.output[0] or gqa.input[1] != rot_k.output[0]:
+    if (
+        list(rot_q.input[1:]) != list(rot_k.input[1:])
+        or gqa.input[0] != rot_q.output[0]
+        or gqa.input[1] != rot_k.output[0]
+    ):
         return None
     if "scale" not in attrs or any(a in attrs for a in ("do_rotary", "local_window_size", "softcap")):
         return None

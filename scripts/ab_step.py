@@ -44,8 +44,10 @@ def main() -> None:
             f"c({n}) ms, median of {rounds} rotated rounds:",
             [round(statistics.median(times[i, n]), 2) for i in range(len(arms))],
             "; ratio to the first arm, median over rounds:",
-            [round(statistics.median(a / b for a, b in zip(times[i, n], times[0, n], strict=True)), 3)
-             for i in range(len(arms))],
+            [
+                round(statistics.median(a / b for a, b in zip(times[i, n], times[0, n], strict=True)), 3)
+                for i in range(len(arms))
+            ],
         )
 
 
