@@ -39,6 +39,11 @@ def _session(node, inits, k: int, n: int) -> ort.InferenceSession:
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits,
     )  # fmt: skip
+    return _native_session(graph)
+
+
+def _native_session(graph: onnx.GraphProto) -> ort.InferenceSession:
+    """A session of a one-node graph of specgraph's operators, on 2 threads."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(NATIVE_DOMAIN, 1)])
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
@@ -116,11 +121,7 @@ def _attention_session() -> ort.InferenceSession:
         [node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types, strict=True)],
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output],
     )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(NATIVE_DOMAIN, 1)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.register_custom_ops_library(str(library_path()))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return _native_session(graph)
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

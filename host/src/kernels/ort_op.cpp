@@ -133,6 +133,17 @@ OrtStatus* data_of(const OrtValue* value, const T** out) {
   return nullptr;
 }
 
+// A kernel's creation: hand it to ONNX Runtime, or delete it and pass the error on.
+template <typename K>
+OrtStatus* created(K* kernel, OrtStatus* status, void** out) {
+  if (status) {
+    delete kernel;
+    return status;
+  }
+  *out = kernel;
+  return nullptr;
+}
+
 struct Kernel {
   int64_t k = 0, n = 0, block = 0;
 };
@@ -218,12 +229,7 @@ OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void*
   if (!status && (kernel->block <= 0 || kernel->block % 16 || kernel->k % kernel->block || kernel->n <= 0)) {
     status = fail("block_size must be a positive multiple of 16 that divides K");
   }
-  if (status) {
-    delete kernel;
-    return status;
-  }
-  *out = kernel;
-  return nullptr;
+  return created(kernel, status, out);
 }
 
 const char* name(const CustomOp*) { return "BlockMatMul"; }
@@ -372,12 +378,7 @@ OrtStatus* attention_create(const CustomOp*, const void*, const OrtKernelInfo* i
   if (!status && (kernel->heads <= 0 || kernel->kv_heads <= 0 || kernel->heads % kernel->kv_heads)) {
     status = attention_fail("num_heads must be a positive multiple of kv_num_heads");
   }
-  if (status) {
-    delete kernel;
-    return status;
-  }
-  *out = kernel;
-  return nullptr;
+  return created(kernel, status, out);
 }
 
 const char* attention_name(const CustomOp*) { return "CachedAttention"; }
