@@ -181,7 +181,10 @@ def test_cached_attention_equals_attention_computed_here(d, batch, tokens, posit
     feeds = _attention_feeds(np.random.default_rng(d + tokens), batch, tokens, positions, d, slots)
     out, keys, values = _attention_session().run(None, feeds)
     want = _attention_reference(feeds, 4, 2, 0.3)
-    for got, ref in zip((out, keys, values), want, strict=True):
+    written = [p + tokens for p in positions]  # a copied cache (not bound in place) holds the slots before these
+    got_all = [out, *(np.concatenate([c[b, :, :n] for b, n in enumerate(written)], 1) for c in (keys, values))]
+    want_all = [want[0], *(np.concatenate([c[b, :, :n] for b, n in enumerate(written)], 1) for c in want[1:])]
+    for got, ref in zip(got_all, want_all, strict=True):
         assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
 
 
@@ -240,6 +243,24 @@ def test_a_native_batched_verify_equals_each_row_verified_alone(tmp_path):
     batched = _logits(engine, drafts, [len(p) for p in prompts], state)
     for got, want in zip(batched, alone, strict=True):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_native_early_exit_runs_its_draft_caches_natively_and_stays_exact(tmp_path):
+    """An early-exit engine's K draft runs each write a cache the next run reads (not bound in place:
+    the copy path): every run is a CachedAttention node, and the text is the none engine's."""
+    from tests.methods.test_early_exit import random_adapter
+
+    gguf = write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0")
+    adapter = random_adapter(gguf, tmp_path / "a.safetensors", std=0)  # drafts well: long accepted runs
+    engines = {}
+    for method, own in (("none", {}), ("early-exit", {"exit_adapter": str(adapter), "num_draft": 3})):
+        compile_model(CompileConfig.of(str(gguf), tmp_path / method, method, max_context=96, **own))
+        engines[method] = Engine(tmp_path / method)
+    weights = engines["early-exit"].manifest["weights"]
+    assert weights["native_attention"] > engines["none"].manifest["weights"]["native_attention"] > 0
+    for prompt in PROMPTS:
+        want = engines["none"].generate(prompt, max_new_tokens=32, stop_at_eos=False).output_ids
+        assert engines["early-exit"].generate(prompt, max_new_tokens=32, stop_at_eos=False).output_ids == want
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@
 //
 // GroupQueryAttention's inputs (seqlens[b] = the row's write position + T - 1), with the rotary
 // caches of the two RotaryEmbedding nodes it replaces. present_* are past_* with this call's keys
-// and values written: in place when the host binds them onto past_* (it does), else a copy.
+// and values written: in place when the host binds them onto past_* (it does), else a copy of the
+// slots before each row's write position (the slots after the call's are then undefined).
 //
 // As host/src/ort_api.h does, the C API is declared here from its documented ABI (the table's
 // indices and OrtCustomOp's fields), so no ONNX Runtime header is needed to build it.
@@ -355,9 +356,16 @@ OrtStatus* attention_compute(void* kernel_ptr, OrtKernelContext* context) {
     SG_TRY(g_api.GetTensorMutableData(outs[i], &p));
     ptr[i] = static_cast<float*>(p);
   }
-  const size_t cache_floats = static_cast<size_t>(s.batch * s.kv_heads * s.slots * d);
-  if (ptr[1] != past_k) std::memcpy(ptr[1], past_k, cache_floats * sizeof(float));  // not bound in place
-  if (ptr[2] != past_v) std::memcpy(ptr[2], past_v, cache_floats * sizeof(float));
+  // Not bound in place (a draft model's run feeding the next one): copy the slots before each
+  // row's write position, all that this call or a later one reads, as GroupQueryAttention does.
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      const size_t at = static_cast<size_t>((b * s.kv_heads + g) * s.slots * d);
+      const size_t floats = static_cast<size_t>(write_pos[b] * d);
+      if (ptr[1] != past_k) std::memcpy(ptr[1] + at, past_k + at, floats * sizeof(float));
+      if (ptr[2] != past_v) std::memcpy(ptr[2] + at, past_v + at, floats * sizeof(float));
+    }
+  }
   sg::kernels::write_cache(s, k, v, cos, sin, write_pos.data(), ptr[1], ptr[2]);
   AttentionJob job{&s, q, cos, sin, ptr[1], ptr[2], write_pos.data(), ptr[0]};
   const size_t units = static_cast<size_t>(s.batch * s.heads);
