@@ -22,9 +22,9 @@ import onnx
 from onnx import helper
 
 from specgraph.exporters.gemm import drop_dead
+from specgraph.exporters.nbits import NATIVE_DOMAIN
 
 logger = logging.getLogger("specgraph.exporters")
-NATIVE_DOMAIN = "specgraph"  # host/src/kernels/ort_op.cpp
 
 
 def run_attention_natively(path: Path) -> int:

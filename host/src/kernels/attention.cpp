@@ -53,8 +53,8 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   return total;
 }
 
-// scores[j] = scale * dot(query, rows[j]) for j < n, rows D apart: eight (then four) slots at a
-// time, so as many chains of multiply-adds run at once; each slot's sum is dot_avx2's.
+// scores[j] = scale * dot(query, rows[j]) for j < n, rows D apart: eight slots at a time, so
+// eight chains of multiply-adds run at once (the last few alone); each slot's sum is dot_avx2's.
 __attribute__((target("avx2,fma"))) void scores_avx2(const float* query, const float* rows, int64_t n, int64_t d,
                                                      float scale, float* scores) {
   int64_t j = 0;
@@ -68,21 +68,6 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const float* query, const f
         for (int l = 0; l < 8; ++l) a[l] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + l * d + i), a[l]);
       }
       for (int l = 0; l < 8; ++l) scores[j + l] = lanes_sum(a[l]) * scale;
-    }
-    for (; j + 4 <= n; j += 4) {
-      const float* r = rows + j * d;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(query + i);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + i), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + d + i), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 2 * d + i), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 3 * d + i), a3);
-      }
-      scores[j] = lanes_sum(a0) * scale;
-      scores[j + 1] = lanes_sum(a1) * scale;
-      scores[j + 2] = lanes_sum(a2) * scale;
-      scores[j + 3] = lanes_sum(a3) * scale;
     }
   }
   for (; j < n; ++j) scores[j] = dot_avx2(query, rows + j * d, d) * scale;
