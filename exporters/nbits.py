@@ -42,6 +42,7 @@ class NBitsReport:
 
     matmuls: int = 0
     native: int = 0  # of the matmuls, those run by specgraph.BlockMatMul
+    lanes: int = 0  # of their runs, those whose codes take the kernel's lanes layout
     gathers: int = 0
     formats: dict[str, int] = field(default_factory=dict)  # weights per stored format
     float_bytes: int = 0  # fp32 bytes of the weights replaced
@@ -64,10 +65,16 @@ NATIVE_DOMAIN = "specgraph"  # the operator domain of host/src/kernels/ort_op.cp
 
 
 def run_weights_as_blocks(
-    path: Path, lookup: Lookup, accuracy_level: int, tables: str | None = None, native: bool = False
+    path: Path,
+    lookup: Lookup,
+    accuracy_level: int,
+    tables: str | None = None,
+    native: bool = False,
+    lanes: bool = False,
 ) -> NBitsReport:
     """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None.
-    `native`: products whose blocks the native kernel takes become `specgraph.BlockMatMul` nodes.
+    `native`: products whose blocks the native kernel takes become `specgraph.BlockMatMul` nodes;
+    `lanes`: those of one digit, but for a table a Gather also reads, take the lanes layout.
     An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), or when
     its table's name starts with `tables` (a drafter's, whose ids are computed in the graph)."""
     model = onnx.load(str(path))
@@ -95,6 +102,7 @@ def run_weights_as_blocks(
     wrapped = _reshape_wrappers(graph)
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in graph.input}  # embedding ids: tokens [B, T]
     dropped: set[str] = set()
+    gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}  # tied tables keep one layout
     for node in graph.node:
         if node.op_type == "Gemm" and _plain_transb(node) and len(node.input) == 2:
             runs = digits_for(node.input[1])
@@ -105,8 +113,10 @@ def run_weights_as_blocks(
                     x, y = flatten.input[0], unflatten.output[0]
                     dropped.update((flatten.name, unflatten.name))
                 if native and all(_native_fits(r) for r in runs):
-                    new_nodes += _native_nodes(node.name, x, y, runs, graph)
+                    laned = lanes and node.input[1] not in gathered
+                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned)
                     report.native += 1
+                    report.lanes += sum(laned and len(r.digits) == 1 for r in runs)
                 else:
                     new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
                 report.matmuls += 1
@@ -187,7 +197,7 @@ def _stored_bytes(graph: onnx.GraphProto, runs: list[_Digits]) -> int:
     """Bytes of the runs' digits, scales and offsets that the rewritten graph still uses (a native
     product needs one scale of a two-digit weight, so the other is dropped unless a Gather reads it)."""
     names = {n for run in runs for pair in run.digits for n in pair} | {run.offset for run in runs if run.offset}
-    names |= {f"{run.digits[0][0].rsplit('.', 1)[0]}.{p}" for run in runs for p in ("d", "m")}
+    names |= {f"{run.digits[0][0].rsplit('.', 1)[0]}.{p}" for run in runs for p in ("d", "m", "lanes")}
     itemsize = helper.tensor_dtype_to_np_dtype
     return sum(int(np.prod(t.dims)) * itemsize(t.data_type).itemsize for t in graph.initializer if t.name in names)
 
@@ -236,15 +246,20 @@ def _native_fits(run: _Digits) -> bool:
     return len(run.digits) in (1, 2) and run.block % 16 == 0
 
 
-def _native_nodes(name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+def _native_nodes(
+    name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto, lanes: bool
+) -> list[onnx.NodeProto]:
     """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low
-    digit or ""), d and m the format's own scale and offset (the low digit's for two digits)."""
+    digit or ""), d and m the format's own scale and offset (the low digit's for two digits). With
+    `lanes`, a one-digit run's codes go in the kernel's lanes layout (`native_lanes`)."""
     nodes: list[onnx.NodeProto] = []
     outs = []
     for i, run in enumerate(runs):
         out = f"{y}.r{i}" if len(runs) > 1 else y
         high, low = run.digits[0][0], run.digits[1][0] if len(run.digits) == 2 else ""
         d, m = _native_scales(graph, high.rsplit(".", 1)[0], run)
+        if lanes and not low:
+            high = _native_lanes(graph, high)
         inputs = [x, high, d, m, low]
         while inputs[-1] == "":
             inputs.pop()
@@ -257,6 +272,32 @@ def _native_nodes(name: str, x: str, y: str, runs: list[_Digits], graph: onnx.Gr
 
 
 NATIVE_SCALE_TILE = 16  # host/src/kernels/block_matmul.h, kScaleTile
+NATIVE_LANE_OUTPUTS = 8  # block_matmul.h, kLaneOutputs: outputs whose 4-bit codes share a 32-bit lane
+
+
+def native_lanes(packed: np.ndarray) -> np.ndarray:
+    """Packed one-digit codes uint8 [N, K/block, block/2] -> the kernel's lanes, uint8 [ceil(N/8),
+    K, 4]: lane [t, p] holds output 8t + o's code in bits [4o, 4o + 4) (zero past N), p the input's
+    position in the kernel's paired order (each block's even inputs, then its odd ones)."""
+    n = packed.shape[0]
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=2).reshape(n, -1)  # [N, K]: a block's evens, then odds
+    tiles = -(-n // NATIVE_LANE_OUTPUTS)
+    padded = np.zeros((tiles * NATIVE_LANE_OUTPUTS, codes.shape[1]), np.uint32)
+    padded[:n] = codes
+    grouped = padded.reshape(tiles, NATIVE_LANE_OUTPUTS, -1)
+    lanes = np.zeros((tiles, codes.shape[1]), np.uint32)
+    for o in range(NATIVE_LANE_OUTPUTS):
+        lanes |= grouped[:, o] << np.uint32(4 * o)
+    return lanes.astype("<u4").view(np.uint8).reshape(tiles, -1, 4)
+
+
+def _native_lanes(graph: onnx.GraphProto, packed: str) -> str:
+    """The lanes initializer of the packed digit `packed` (added once)."""
+    name = f"{packed.rsplit('.', 1)[0]}.lanes"
+    if name not in {t.name for t in graph.initializer}:
+        source = next(t for t in graph.initializer if t.name == packed)
+        graph.initializer.append(numpy_helper.from_array(native_lanes(numpy_helper.to_array(source)), name))
+    return name
 
 
 def native_scale_tiles(a: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ settings after a colon: BUNDLE:TEMPERATURE[:TOP_K[:TOP_P]] (e.g. out/s-none:0.7:
     python scripts/ab_step.py out/smollm2-none out/smollm2-medusa
     python scripts/ab_step.py out/smollm2-none out/s-none out/s-none:0.7 out/s-none:0.7:0:0.9
     ROUNDS=40 python scripts/ab_step.py out/a out/b     # more rounds (default: twice the arms)
+    WIDTHS=1,2,4,8 python scripts/ab_step.py out/a out/b  # the call widths timed (default: 1,8)
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def main() -> None:
     print("arms:", sys.argv[1:])
     times: dict[tuple[int, int], list[float]] = {}
     rounds = int(os.environ.get("ROUNDS", 2 * len(arms)))
+    widths = [int(w) for w in os.environ.get("WIDTHS", "1,8").split(",")]
     for r in range(rounds):  # the order rotates every round: the first arm of a round runs slower here
         for i in [(r + j) % len(arms) for j in range(len(arms))]:
             engine, params = arms[i]
-            for n in (1, 8):
+            for n in widths:
                 times.setdefault((i, n), []).append(time_call(engine, n, 64, 15, params) * 1000)
-    for n in (1, 8):
+    for n in widths:
         print(
             f"c({n}) ms, median of {rounds} rotated rounds:",
             [round(statistics.median(times[i, n]), 2) for i in range(len(arms))],

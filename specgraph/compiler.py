@@ -242,7 +242,7 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
     times["export"] = times.get("export", 0.0) + time.perf_counter() - t0
     t0 = time.perf_counter()
     weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
-                            skip=built.meta.get("weights_skip"),
+                            skip=built.meta.get("weights_skip"), one_token=not cfg.spec.speculative,
                             kernels=resolve_kernels(cfg.kernels, cfg.weights, cfg.activations))  # fmt: skip
     times["weights"] = times.get("weights", 0.0) + time.perf_counter() - t0
     tokenizer = _copy_tokenizer(loaded, staging)

@@ -97,10 +97,13 @@ def store_weights(
     progress: Callable[[str], None] | None = None,
     skip: str | None = None,
     kernels: str = "ort",
+    one_token: bool = False,
 ) -> dict[str, Any]:
     """Rewrite the exported engine's matrices for `weights`; return the manifest's `weights` section.
     Initializers whose names start with `skip` (a drafter's own weights) are left as they are. With
-    native kernels the fused attention layers run specgraph's own `CachedAttention` too."""
+    native kernels the fused attention layers run specgraph's own `CachedAttention` too, and
+    `one_token` (an engine whose decode calls take one token: `none`) stores one-digit codes in the
+    kernel's lanes layout, faster for one row and slower for several (docs/benchmarks.md)."""
     from specgraph import blocks
     from specgraph.exporters.attention import run_attention_natively
     from specgraph.exporters.nbits import run_weights_as_blocks
@@ -126,7 +129,8 @@ def store_weights(
         section["stored"] = "float32"
         return section
     say("store weights as blocks")
-    report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations], native=kernels == "native")
+    native = kernels == "native"
+    report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations], native=native, lanes=native and one_token)
     attention = run_attention_natively(onnx_path) if kernels == "native" else 0  # the library is loaded anyway
     section.update(
         stored="blocks",
@@ -138,6 +142,7 @@ def store_weights(
         exact=activations == "fp32",
         kernels=kernels,
         native_matmuls=report.native,
+        native_lanes=report.lanes,
         native_attention=attention,
     )
     return section

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.default_model import read_gguf
 from specgraph.errors import BundleError, InputError
-from specgraph.exporters.nbits import NATIVE_DOMAIN, native_scale_tiles
+from specgraph.exporters.nbits import NATIVE_DOMAIN, native_lanes, native_scale_tiles
 from specgraph.kernels import ENV, library_path
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
@@ -51,23 +51,27 @@ def _native_session(graph: onnx.GraphProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize(("digits", "lanes"), [(1, False), (1, True), (2, False)])
 @pytest.mark.parametrize("block", [16, 32, 64])
 @pytest.mark.parametrize("offset", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_block_matmul_equals_the_dequantised_product(digits, block, offset, dtype):
+def test_block_matmul_equals_the_dequantised_product(digits, lanes, block, offset, dtype):
     """One node, every row count a verify call uses (1-9 rows, and a [2, T, K] batch) and a prompt's
     (13 and 20 rows, whose codes the kernel converts once a call), against the float64 product of
-    the dequantised weight `d * code + m`: float32 rounding only."""
+    the dequantised weight `d * code + m`: float32 rounding only. One digit in both layouts: packed
+    pairs, and lanes of 8 outputs (`native_lanes`)."""
     rng = np.random.default_rng(block + digits)
-    n, k = 200, 4 * block  # 200 outputs: whole 16-output tiles and a remainder
+    n, k = 203, 4 * block  # 203 outputs: whole 16-output tiles and a remainder (one whole lane tile and 3)
     codes = rng.integers(0, 16 if digits == 1 else 256, (n, k))
     d = (rng.random((k // block, n)) * 0.02 + 0.001).astype(dtype)  # [K/block, N]
     m = (-(8 if digits == 1 else 136) * d * rng.uniform(0.8, 1.2, d.shape)).astype(dtype) if offset else None
     weight = np.repeat(d.T.astype(np.float64), block, 1) * codes  # [N, K]
     if m is not None:
         weight += np.repeat(m.T.astype(np.float64), block, 1)
-    if digits == 1:
+    if lanes:
+        inits = [numpy_helper.from_array(native_lanes(_pack(codes, block)), "q")]
+        inputs = ["x", "q", "d", "m" if offset else ""]
+    elif digits == 1:
         inits = [numpy_helper.from_array(_pack(codes, block), "q")]
         inputs = ["x", "q", "d", "m" if offset else ""]
     else:
@@ -81,6 +85,10 @@ def test_block_matmul_equals_the_dequantised_product(digits, block, offset, dtyp
         inputs.pop()
     node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)
     session = _session(node, inits, k, n)
+    pairs = None
+    if lanes:  # the same weight in the pairs layout: a lanes product rounds as it does, to the bit
+        inits = [numpy_helper.from_array(_pack(codes, block), "q"), *inits[1:]]
+        pairs = _session(node, inits, k, n)
     for shape in [(1, k), (2, k), (3, k), (4, k), (5, k), (9, k), (13, k), (2, 3, k), (2, 10, k), (1, 0, k)]:
         x = rng.standard_normal(shape).astype(np.float32)
         got = session.run(None, {"x": x})[0]
@@ -88,6 +96,8 @@ def test_block_matmul_equals_the_dequantised_product(digits, block, offset, dtyp
         assert got.shape == want.shape
         if want.size:
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        if pairs is not None:
+            assert np.array_equal(got, pairs.run(None, {"x": x})[0])
     # a row computed alone equals the same row within a many-row call (one rounding for every call)
     x = rng.standard_normal((17, k)).astype(np.float32)
     alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(17)])
@@ -292,7 +302,8 @@ def test_native_engines_match_hf_generate_on_the_gguf(matrices, embedding, metho
 
 
 def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path):
-    """int4 weights made here, native kernels: lookup and Medusa emit what none emits, greedy and sampled."""
+    """int4 weights made here, native kernels: lookup and Medusa emit what none emits, greedy and
+    sampled, though none's codes take the lanes layout and theirs the pairs layout."""
     folder = tiny_folder("llama")
     engines = {}
     for method in ("none", "lookup", "medusa"):
@@ -300,6 +311,8 @@ def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path):
         compile_model(CompileConfig.of(model=str(folder), output=tmp_path / method, method=method, max_context=160,
                                        weights="int4", kernels="native", **extra))  # fmt: skip
         engines[method] = Engine(tmp_path / method)
+    lanes = {method: engine.manifest["weights"]["native_lanes"] for method, engine in engines.items()}
+    assert lanes["none"] == engines["none"].manifest["weights"]["matmuls"] > 0 and lanes["lookup"] == lanes["medusa"] == 0
     for prompt in PROMPTS:
         want = engines["none"].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids
         sampled = engines["none"].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)

@@ -18,6 +18,9 @@ constexpr int64_t kChunk = kScaleTile;  // outputs whose d and c' are unpacked t
 
 float centre(const BlockWeights& w) { return w.low ? 136.0f : 8.0f; }
 
+// 16^-o: output o of a lane takes its centred code times 16^o (the top one, by a shift, times 1).
+constexpr float kLaneUnit[kLaneOutputs] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+
 // float16 -> float32, exactly (subnormals, infinities and NaNs included).
 float from_half(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
@@ -66,6 +69,11 @@ float offset_term(const BlockWeights& w, const float* sums, int64_t n) {
 float centred_code(const BlockWeights& w, int64_t n, int64_t i) {
   const int64_t half = w.block / 2, nb = w.k / w.block;
   const int64_t b = i / w.block, j = (i % w.block) / 2;
+  if (w.lanes) {  // lane [n / 8, paired position of i], nibble n % 8
+    const uint8_t* lane = w.high + ((n / kLaneOutputs) * w.k + b * w.block + (i % 2) * half + j) * 4;
+    const int o = static_cast<int>(n % kLaneOutputs);
+    return static_cast<float>((lane[o / 2] >> (4 * (o % 2))) & 0x0F) - centre(w);
+  }
   const int64_t at = (n * nb + b) * half + j;
   const int shift = (i % 2) ? 4 : 0;
   const int high = (w.high[at] >> shift) & 0x0F;
@@ -97,6 +105,86 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
+}
+
+// One pass over a lane tile (lanes layout, block_matmul.h): rows [0, R) and the tile's outputs
+// [O, O + P). Each 8 lanes (8 inputs of the paired order, 8 outputs) are loaded once; output o's
+// centred codes times 16^o are one AND (the top output's one shift) and one subtraction, converted
+// once and multiplied into every row. The inputs go in tile_avx2's order (a block's 8 even inputs
+// from j, then its 8 odd ones, for j = 0, 8, ...), one chain a (row, output), and the chain's value
+// is 16^o times tile_avx2's, exactly, so once scaled back a product rounds as the pairs layout's
+// does, bit for bit, for every R and P. `d`: the tile's scales, [K/block] x kChunk.
+// H: block / 2 when fixed at compile time (16: the loop unrolls), 0 to read it from w.
+template <int R, int P, int O, int H>
+__attribute__((target("avx2,fma,f16c"))) void lane_pass(const BlockWeights& w, const uint32_t* lanes,
+                                                        const float* const* x, const float* d,
+                                                        float (*out)[kLaneOutputs]) {
+  const int64_t half = H ? H : w.block / 2, block = 2 * half, nb = w.k / block;
+  __m256 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < P; ++o) acc[r][o] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 t[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int o = 0; o < P; ++o) t[r][o] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < half; j += 8) {
+      for (int64_t at_input : {b * block + j, b * block + half + j}) {  // 8 even inputs, then 8 odd
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + at_input));
+        __m256 xs[R];
+        for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x[r] + at_input);
+        for (int o = 0; o < P; ++o) {
+          constexpr int kTop = kLaneOutputs - 1;
+          const int at = O + o;
+          const __m256i code = at == kTop ? _mm256_srli_epi32(v, 28)
+                                          : _mm256_and_si256(v, _mm256_set1_epi32(0x0F << (4 * at)));
+          const int centre_at = at == kTop ? 8 : 8 << (4 * at);
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(centre_at)));
+          for (int r = 0; r < R; ++r) t[r][o] = _mm256_fmadd_ps(xs[r], q, t[r][o]);
+        }
+      }
+    }
+    for (int o = 0; o < P; ++o) {
+      const __m256 s = _mm256_broadcast_ss(d + b * kChunk + O + o);
+      for (int r = 0; r < R; ++r) acc[r][o] = _mm256_fmadd_ps(t[r][o], s, acc[r][o]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < P; ++o) out[r][O + o] = hsum(_mm256_mul_ps(acc[r][o], _mm256_set1_ps(kLaneUnit[O + o])));
+}
+
+// All 8 outputs of a lane tile for rows [0, R), P at a time.
+template <int R, int P, int O = 0>
+void lane_tile(const BlockWeights& w, const uint32_t* lanes, const float* const* x, const float* d,
+               float (*out)[kLaneOutputs]) {
+  if (w.block == 32) {
+    lane_pass<R, P, O, 16>(w, lanes, x, d, out);
+  } else {
+    lane_pass<R, P, O, 0>(w, lanes, x, d, out);
+  }
+  if constexpr (O + P < kLaneOutputs) lane_tile<R, P, O + P>(w, lanes, x, d, out);
+}
+
+// The chunk's outputs [n0, n0 + count) for every row, lanes layout: 4 rows a pass over a tile,
+// one output at a time; 2 rows two outputs; one row four (what AVX2's 16 registers hold).
+void lanes_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, const float* d) {
+  float out[kRowTile][kLaneOutputs];
+  for (int64_t first = 0; first < count; first += kLaneOutputs) {
+    const uint32_t* lanes = reinterpret_cast<const uint32_t*>(w.high) + ((n0 + first) / kLaneOutputs) * w.k;
+    const int64_t outputs = count - first < kLaneOutputs ? count - first : kLaneOutputs;
+    for (int64_t r0 = 0; r0 < in.rows; r0 += kRowTile) {
+      const float* x[kRowTile];
+      const int64_t rows = in.rows - r0 < kRowTile ? in.rows - r0 : kRowTile;
+      for (int64_t r = 0; r < rows; ++r) x[r] = in.paired + (r0 + r) * w.k;
+      switch (rows) {
+        case 1: lane_tile<1, 4>(w, lanes, x, d + first, out); break;
+        case 2: lane_tile<2, 2>(w, lanes, x, d + first, out); break;
+        case 3: lane_tile<3, 1>(w, lanes, x, d + first, out); break;
+        default: lane_tile<4, 1>(w, lanes, x, d + first, out); break;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t o = 0; o < outputs; ++o) y[(r0 + r) * w.n + n0 + first + o] = out[r][o];
+    }
+  }
 }
 
 // Rows [r0, r0 + R) of y for the C outputs [n0, n0 + C): each 8 packed bytes of a block are
@@ -257,10 +345,17 @@ void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_be
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kChunk) {
     const int64_t count = n_end - n0 < kChunk ? n_end - n0 : kChunk;
     unpack_chunk(w, n0, count, d, shifts);
-    if (two && fixed) rows_avx2<true, 16>(w, in, y, n0, count, d);
-    if (two && !fixed) rows_avx2<true, 0>(w, in, y, n0, count, d);
-    if (!two && fixed) rows_avx2<false, 16>(w, in, y, n0, count, d);
-    if (!two && !fixed) rows_avx2<false, 0>(w, in, y, n0, count, d);
+    if (w.lanes) {
+      lanes_avx2(w, in, y, n0, count, d);
+    } else if (two && fixed) {
+      rows_avx2<true, 16>(w, in, y, n0, count, d);
+    } else if (two) {
+      rows_avx2<true, 0>(w, in, y, n0, count, d);
+    } else if (fixed) {
+      rows_avx2<false, 16>(w, in, y, n0, count, d);
+    } else {
+      rows_avx2<false, 0>(w, in, y, n0, count, d);
+    }
     offsets_avx2(w, in, y, n0, count, shifts);
   }
 }

@@ -13,6 +13,15 @@
 // sum_k x_k * (code_k - centre) over block b, S_b the block's input sum and c'_b = m_b + centre *
 // d_b (centre 8 for one digit, 136 for two), which keeps both terms small when m_b is near
 // -centre * d_b, as in symmetric formats.
+//
+// Lanes (one 4-bit digit only): the codes of 8 consecutive outputs share one 32-bit lane per input,
+// output 8t + o in bits [4o, 4o + 4) of lane [t, p], [ceil(N / 8), K] lanes (zero past N), p the
+// input's position in the paired order above (a block's even inputs, then its odd ones). A product
+// then takes 8 inputs' codes of one output with an AND (the top output's with a shift) and a
+// subtraction, with no widening or shuffling: 4 instructions for 8 weights where pairs take about
+// 5. Output o's centred codes come out times 16^o and its sum is scaled back by 16^-o, a power of
+// two, so a lanes product rounds exactly as the pairs layout's does (to the bit, barring
+// subnormals): a `none` engine in lanes emits what a speculative one in pairs verifies.
 #pragma once
 
 #include <cstddef>
@@ -31,7 +40,10 @@ struct BlockWeights {
   const void* scale = nullptr;     // d [ceil(N / 16), K / block, 16]
   const void* offset = nullptr;    // m, the same layout, or nullptr when every m is zero
   bool half = false;               // d and m are float16 (else float32)
+  bool lanes = false;              // `high` holds lanes [ceil(N / 8), K] of 8 outputs' codes (one digit)
 };
+
+constexpr int64_t kLaneOutputs = 8;  // outputs whose codes share a 32-bit lane
 
 // x rearranged once per call: each block's even inputs, then its odd ones, and each block's sum.
 struct PreparedInput {
@@ -43,7 +55,7 @@ struct PreparedInput {
 // Fill `paired` [rows, K] and `sums` [rows, K / block] from x [rows, K].
 void prepare_input(const float* x, int64_t rows, int64_t k, int64_t block, float* paired, float* sums);
 
-// y[r, n] for n in [n_begin, n_end), every row r. y is [rows, N].
+// y[r, n] for n in [n_begin, n_end), every row r. y is [rows, N]. With lanes, n_begin is a multiple of 8.
 void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end);
 
 // Which code path block_matmul takes on this CPU: "avx2" or "portable".

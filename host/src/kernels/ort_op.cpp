@@ -5,6 +5,7 @@
 //   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], d [ceil(N/16), K/block, 16],
 //               m (d's shape, optional), low uint8 [N, K/block, block/2] (optional))
 //     -> y [..., N]                                   attributes: K, N, block_size
+// (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit)
 //
 // d and m are both float32 or both float16 (block_matmul.h).
 //
@@ -176,9 +177,12 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   if (in[3]) SG_TRY(shape_of(in[3], offset_dims, &offset_type));
   const int64_t nb = kernel.k / kernel.block, half = kernel.block / 2;
   if (x_dims.empty() || x_dims.back() != kernel.k) return fail("input's last dimension is not K");
-  if (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half) {
-    return fail("packed codes are not [N, K/block, block/2]");
+  const int64_t lane_tiles = (kernel.n + sg::kernels::kLaneOutputs - 1) / sg::kernels::kLaneOutputs;
+  const bool lanes = high_dims == std::vector<int64_t>{lane_tiles, kernel.k, 4};
+  if (!lanes && (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half)) {
+    return fail("packed codes are neither [N, K/block, block/2] nor lanes [ceil(N/8), K, 4]");
   }
+  if (lanes && in[4]) return fail("lanes hold one digit: a low digit cannot go with them");
   const int64_t tile = sg::kernels::kScaleTile;
   const std::vector<int64_t> scales_shape{(kernel.n + tile - 1) / tile, nb, tile};
   if (scale_dims != scales_shape || (in[3] && offset_dims != scales_shape)) {
@@ -200,6 +204,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   SG_TRY(data_of(in[2], &w.scale));
   if (in[3]) SG_TRY(data_of(in[3], &w.offset));
   w.half = scale_type == kHalf;
+  w.lanes = lanes;
   if (in[4]) SG_TRY(data_of(in[4], &w.low));
 
   std::vector<int64_t> y_dims(x_dims);
