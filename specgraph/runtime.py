@@ -144,6 +144,7 @@ class Engine:
         self._bindings: dict[str, str] = graph["bindings"]
         self._trims: dict[str, str] = graph["trims"]
         self._in_place: set[str] = set(graph["in_place"])
+        self._output_names = [out.name for out in self.session.get_outputs()]
         self._declared = {v["name"]: v for v in graph["inputs"]}
         # a method's per-row state other than the caches: zeros at the first call, then fed by bindings
         written = {self._bindings[o] for o in self._in_place}
@@ -256,24 +257,29 @@ class Engine:
             state[v["name"]] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
         return state
 
-    def call(self, io: ort.IOBinding, feeds: dict[str, Any], state: dict[str, ort.OrtValue]) -> dict[str, Any]:
-        """One engine call; caches are bound in place, every other output comes back as an OrtValue."""
-        io.clear_binding_inputs()
-        io.clear_binding_outputs()
+    def call(
+        self, io: ort.IOBinding, feeds: dict[str, Any], state: dict[str, ort.OrtValue], state_bound: bool = False
+    ) -> dict[str, Any]:
+        """One engine call; caches are bound in place, every other output comes back as an OrtValue.
+        `state_bound`: `io` holds this `state` from the previous call on it (a decode loop), so only
+        the call's own inputs and fresh outputs are bound again (a name bound again replaces its
+        binding), not the 2 x layers caches in and out: about 1 ms a call on SmolLM2."""
+        if not state_bound:
+            io.clear_binding_inputs()
+            io.clear_binding_outputs()
+            for name, value in state.items():
+                io.bind_ortvalue_input(name, value)
         for name, value in feeds.items():
             if isinstance(value, ort.OrtValue):
                 io.bind_ortvalue_input(name, value)
             else:
                 io.bind_cpu_input(name, value)
-        for name, value in state.items():
-            io.bind_ortvalue_input(name, value)
-        bound = []
-        for out in self.session.get_outputs():
-            if out.name in self._in_place:
-                io.bind_ortvalue_output(out.name, state[self._bindings[out.name]])  # in place
-            else:
-                io.bind_output(out.name)
-            bound.append(out.name)
+        bound = self._output_names
+        for name in bound:
+            if name not in self._in_place:
+                io.bind_output(name)  # a fresh buffer: the last call's outputs are this call's inputs
+            elif not state_bound:
+                io.bind_ortvalue_output(name, state[self._bindings[name]])  # in place
         try:
             self.session.run_with_iobinding(io)
         except Exception as exc:  # ORT's own error types; the inputs were checked, so the graph failed
@@ -372,7 +378,7 @@ class Engine:
                 keep = 1 + int(out[count].numpy().max())
                 if keep < out[name].shape()[1]:
                     feeds[self._bindings[name]] = np.ascontiguousarray(out[name].numpy()[:, :keep])
-            out = self.call(io, {**feeds, **self._constants, "n_fixed": ones}, state)
+            out = self.call(io, {**feeds, **self._constants, "n_fixed": ones}, state, state_bound=True)
             before = [len(e) if stop is None else -1 for e, stop in zip(emitted, stops, strict=True)]
             self._emit(out, emitted, stops, max_new_tokens, stop_at_eos, stream)
             for row, n in enumerate(before):

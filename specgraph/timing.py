@@ -18,7 +18,8 @@ def time_call(engine: Engine, n_tokens: int, cache_len: int, repeats: int = 10, 
     """Median seconds of one engine call that verifies `n_tokens` tokens in each of `batch` rows
     at context `cache_len` (c(N) is this over N). Uses a zeroed cache and method state, except
     the state inputs `fill` names (every entry set to its value); greedy unless `params` ask to
-    sample (they need a seed then). One untimed call warms the session up first."""
+    sample (they need a seed then). One untimed call warms the session up first and binds the
+    state; the timed calls bind only their own inputs, as `generate`'s decode loop does."""
     if cache_len + n_tokens > engine.max_context:
         raise InputError(f"cannot time {n_tokens} tokens at context {cache_len}: max context is {engine.max_context}")
     state = engine.new_state(batch, engine.check_sampling(params))
@@ -28,11 +29,11 @@ def time_call(engine: Engine, n_tokens: int, cache_len: int, repeats: int = 10, 
     feeds = engine.first_feeds(tokens, 1, cache_len)
     for name, value in (fill or {}).items():
         feeds[name] = np.full_like(feeds[name], value)
-    engine.call(io, feeds, state)  # warm-up
+    engine.call(io, feeds, state)  # warm-up, which binds the state as a decode loop's first call does
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        engine.call(io, feeds, state)
+        engine.call(io, feeds, state, state_bound=True)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
