@@ -129,9 +129,7 @@ def run_weights_as_blocks(
         ):
             runs = digits_for(node.input[0])
             if runs is not None and len(runs) == 1:
-                run = runs[0]
-                whole = native and len(run.digits) == 2 and _native_fits(run)  # the products read bytes
-                new_nodes += _gather_nodes(node, run, _native_bytes(graph, run) if whole else None)
+                new_nodes += _gather_nodes(node, runs[0])
                 report.gathers += 1
                 continue
         new_nodes.append(node)
@@ -199,7 +197,7 @@ def _stored_bytes(graph: onnx.GraphProto, runs: list[_Digits]) -> int:
     """Bytes of the runs' digits, scales and offsets that the rewritten graph still uses (a native
     product needs one scale of a two-digit weight, so the other is dropped unless a Gather reads it)."""
     names = {n for run in runs for pair in run.digits for n in pair} | {run.offset for run in runs if run.offset}
-    names |= {f"{run.digits[0][0].rsplit('.', 1)[0]}.{p}" for run in runs for p in ("d", "m", "lanes", "bytes")}
+    names |= {f"{run.digits[0][0].rsplit('.', 1)[0]}.{p}" for run in runs for p in ("d", "m", "lanes")}
     itemsize = helper.tensor_dtype_to_np_dtype
     return sum(int(np.prod(t.dims)) * itemsize(t.data_type).itemsize for t in graph.initializer if t.name in names)
 
@@ -262,8 +260,6 @@ def _native_nodes(
         d, m = _native_scales(graph, high.rsplit(".", 1)[0], run)
         if lanes and not low:
             high = _native_lanes(graph, high)
-        if low:
-            high, low = _native_bytes(graph, run), ""
         inputs = [x, high, d, m, low]
         while inputs[-1] == "":
             inputs.pop()
@@ -293,29 +289,6 @@ def native_lanes(packed: np.ndarray) -> np.ndarray:
     for o in range(NATIVE_LANE_OUTPUTS):
         lanes |= grouped[:, o] << np.uint32(4 * o)
     return lanes.astype("<u4").view(np.uint8).reshape(tiles, -1, 4)
-
-
-def native_bytes(high: np.ndarray, low: np.ndarray) -> np.ndarray:
-    """Packed high and low digits uint8 [N, K/block, block/2] -> whole codes `16 * high + low`, a
-    byte each, [N, K/block, block], each block's even inputs' codes, then its odd ones' (the
-    kernel's bytes layout)."""
-
-    def paired(packed: np.ndarray) -> np.ndarray:
-        return np.concatenate([packed & 0x0F, packed >> 4], axis=2)
-
-    return (16 * paired(high) + paired(low)).astype(np.uint8)
-
-
-def _native_bytes(graph: onnx.GraphProto, run: _Digits) -> str:
-    """The bytes initializer of a two-digit run (added once): its products and a Gather of the
-    same table read it, so the table stays one buffer."""
-    base = run.digits[0][0].rsplit(".", 1)[0]
-    name = f"{base}.bytes"
-    if name not in {t.name for t in graph.initializer}:
-        inits = {t.name: t for t in graph.initializer if t.name in (run.digits[0][0], run.digits[1][0])}
-        high, low = (numpy_helper.to_array(inits[q]) for q, _s in run.digits)
-        graph.initializer.append(numpy_helper.from_array(native_bytes(high, low), name))
-    return name
 
 
 def _native_lanes(graph: onnx.GraphProto, packed: str) -> str:
@@ -376,9 +349,8 @@ def _sum(terms: list[str], out: str, nodes: list[onnx.NodeProto]) -> str:
     return out
 
 
-def _gather_nodes(node: onnx.NodeProto, run: _Digits, whole: str | None = None) -> list[onnx.NodeProto]:
-    """Embedding rows from the digit buffers: gather packed rows, unpack nibbles, scale, offset.
-    `whole`: a two-digit table's bytes initializer (`native_bytes`), gathered instead of its digits."""
+def _gather_nodes(node: onnx.NodeProto, run: _Digits) -> list[onnx.NodeProto]:
+    """Embedding rows from the digit buffers: gather packed rows, unpack nibbles, scale, offset."""
     ids, y, p = node.input[1], node.output[0], node.output[0] + ".q"
     nb = run.cols // run.block
     nodes: list[onnx.NodeProto] = []
@@ -403,22 +375,7 @@ def _gather_nodes(node: onnx.NodeProto, run: _Digits, whole: str | None = None) 
         const("eight", np.asarray(8.0, np.float32)),
     )
     terms = []
-    if whole is not None:  # codes 16 * high + low, paired: [*ids, nb, evens then odds]
-        d, half = f"{p}.b", run.block // 2
-        nodes += [
-            helper.make_node("Gather", [whole, ids], [f"{d}.paired"], axis=0),  # [*ids, nb, block]
-            helper.make_node("Reshape", [f"{d}.paired", const("split", np.asarray([-1, nb, 2, half], np.int64))],
-                             [f"{d}.split"]),
-            helper.make_node("Transpose", [f"{d}.split"], [f"{d}.pairs"], perm=[0, 1, 3, 2]),  # [-1, nb, half, 2]
-            helper.make_node("Reshape", [f"{d}.pairs", blocks_shape], [f"{d}.codes"]),  # [*ids, nb, block]
-            helper.make_node("Cast", [f"{d}.codes"], [f"{d}.float"], to=TensorProto.FLOAT),
-            helper.make_node("Sub", [f"{d}.float", const("centre", np.asarray(136.0, np.float32))], [f"{d}.centred"]),
-            helper.make_node("Gather", [run.digits[1][1], ids], [f"{d}.scale"], axis=0),  # the low digit's: s
-            helper.make_node("Unsqueeze", [f"{d}.scale", last], [f"{d}.scale1"]),
-            helper.make_node("Mul", [f"{d}.centred", f"{d}.scale1"], [f"{d}.w"]),
-        ]  # fmt: skip
-        terms.append(f"{d}.w")
-    for j, (q, s) in enumerate([] if whole is not None else run.digits):
+    for j, (q, s) in enumerate(run.digits):
         d = f"{p}.d{j}"
         nodes += [
             helper.make_node("Gather", [q, ids], [f"{d}.packed"], axis=0),  # [*ids, nb, block/2]

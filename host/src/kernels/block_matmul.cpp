@@ -16,9 +16,7 @@ namespace {
 constexpr int kRowTile = 4;  // input rows that share one unpacking of a weight block
 constexpr int64_t kChunk = kScaleTile;  // outputs whose d and c' are unpacked together
 
-float centre(const BlockWeights& w) { return w.low || w.bytes ? 136.0f : 8.0f; }
-
-enum { kOne, kTwo, kBytes };  // how a tile's codes are stored: one digit, two, a byte each
+float centre(const BlockWeights& w) { return w.low ? 136.0f : 8.0f; }
 
 // 16^-o: output o of a lane takes its centred code times 16^o (the top one, by a shift, times 1).
 constexpr float kLaneUnit[kLaneOutputs] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
@@ -71,7 +69,6 @@ float offset_term(const BlockWeights& w, const float* sums, int64_t n) {
 float centred_code(const BlockWeights& w, int64_t n, int64_t i) {
   const int64_t half = w.block / 2, nb = w.k / w.block;
   const int64_t b = i / w.block, j = (i % w.block) / 2;
-  if (w.bytes) return static_cast<float>(w.high[(n * nb + b) * w.block + (i % 2) * half + j]) - centre(w);
   if (w.lanes) {  // lane [n / 8, paired position of i], nibble n % 8
     const uint8_t* lane = w.high + ((n / kLaneOutputs) * w.k + b * w.block + (i % 2) * half + j) * 4;
     const int o = static_cast<int>(n % kLaneOutputs);
@@ -195,10 +192,10 @@ void lanes_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_
 // Each (row, output) pair keeps its own chain of multiply-adds, in the same order whatever R and C
 // are, so a row of a many-row call equals the same row computed alone, bit for bit (a verify call
 // rounds as a step does); the R * C chains are independent, which hides the multiply-add latency.
-// Codes: kOne digit, kTwo digits (w.low set) or kBytes (w.bytes: one byte a code); H: block / 2
-// when fixed at compile time (the common 32-weight blocks, so the byte loop unrolls), 0 to read it
-// from w. d: the chunk's scales as float32, [K/block, kChunk] from output n0's column.
-template <int R, int C, int Codes, int H>
+// Two: two digits (w.low set); H: block / 2 when fixed at compile time (the common 32-weight
+// blocks, so the byte loop unrolls), 0 to read it from w. d: the chunk's scales as float32,
+// [K/block, kChunk] from output n0's column.
+template <int R, int C, bool Two, int H>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, const PreparedInput& in, float* y,
                                                         int64_t n_first, int64_t count, int64_t r0, const float* d_first) {
   const int64_t nb = w.k / w.block, half = H ? H : w.block / 2, block = 2 * half;
@@ -214,8 +211,8 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, c
     const uint8_t* lp[C];
     for (int r = 0; r < R; ++r) x[r] = in.paired + (r0 + r) * w.k;
     for (int c = 0; c < C; ++c) {
-      hp[c] = w.high + (n0 + c) * nb * (Codes == kBytes ? block : half);
-      lp[c] = Codes == kTwo ? w.low + (n0 + c) * nb * half : nullptr;
+      hp[c] = w.high + (n0 + c) * nb * half;
+      lp[c] = Two ? w.low + (n0 + c) * nb * half : nullptr;
     }
     __m256 acc[R][C];
     for (int r = 0; r < R; ++r)
@@ -234,10 +231,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, c
           // 8 packed bytes widened to 8 lanes, then split into nibbles within each lane
           const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hp[c] + j)));
           __m256i even, odd;
-          if (Codes == kBytes) {  // the even inputs' codes, then the odd ones', a byte each
-            even = h;
-            odd = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hp[c] + half + j)));
-          } else if (Codes == kTwo) {  // code = 16 * high + low
+          if (Two) {  // code = 16 * high + low
             const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lp[c] + j)));
             even = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h, nibble), 4), _mm256_and_si256(l, nibble));
             odd = _mm256_or_si256(_mm256_and_si256(h, top), _mm256_srli_epi32(l, 4));
@@ -259,8 +253,8 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, c
       }
       for (int r = 0; r < R; ++r) x[r] += block;
       for (int c = 0; c < C; ++c) {
-        hp[c] += Codes == kBytes ? block : half;
-        if (Codes == kTwo) lp[c] += half;
+        hp[c] += half;
+        if (Two) lp[c] += half;
       }
     }
     for (int r = 0; r < R; ++r)
@@ -269,12 +263,12 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, c
 }
 
 // Rows [r0, r0 + R) for the chunk's outputs [n0, n0 + count): C outputs at a time, then one at a time.
-template <int R, int C, int Codes, int H>
+template <int R, int C, bool Two, int H>
 void columns_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, int64_t r0,
                   const float* d) {
   const int64_t whole = count / C * C;
-  tile_avx2<R, C, Codes, H>(w, in, y, n0, whole, r0, d);
-  if (whole < count) tile_avx2<R, 1, Codes, H>(w, in, y, n0 + whole, count - whole, r0, d + whole);
+  tile_avx2<R, C, Two, H>(w, in, y, n0, whole, r0, d);
+  if (whole < count) tile_avx2<R, 1, Two, H>(w, in, y, n0 + whole, count - whole, r0, d + whole);
 }
 
 // Eight consecutive elements of d or m, from element i.
@@ -328,29 +322,21 @@ __attribute__((target("avx2,fma,f16c"))) void offsets_avx2(const BlockWeights& w
   }
 }
 
-template <int Codes, int H>
+template <bool Two, int H>
 void rows_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, const float* d) {
   int64_t r = 0;
-  for (; r + kRowTile <= in.rows; r += kRowTile) columns_avx2<kRowTile, 1, Codes, H>(w, in, y, n0, count, r, d);
+  for (; r + kRowTile <= in.rows; r += kRowTile) columns_avx2<kRowTile, 1, Two, H>(w, in, y, n0, count, r, d);
   switch (in.rows - r) {
-    case 3: columns_avx2<3, 1, Codes, H>(w, in, y, n0, count, r, d); break;
-    case 2: columns_avx2<2, 1, Codes, H>(w, in, y, n0, count, r, d); break;
-    case 1: columns_avx2<1, 4, Codes, H>(w, in, y, n0, count, r, d); break;
+    case 3: columns_avx2<3, 1, Two, H>(w, in, y, n0, count, r, d); break;
+    case 2: columns_avx2<2, 1, Two, H>(w, in, y, n0, count, r, d); break;
+    case 1: columns_avx2<1, 4, Two, H>(w, in, y, n0, count, r, d); break;
     default: break;
-  }
-}
-
-template <int Codes>
-void rows_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, const float* d) {
-  if (w.block == 32) {
-    rows_avx2<Codes, 16>(w, in, y, n0, count, d);
-  } else {
-    rows_avx2<Codes, 0>(w, in, y, n0, count, d);
   }
 }
 
 // Outputs [n_begin, n_end) in chunks of kChunk: each chunk's scales unpacked once, for every row.
 void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
+  const bool two = w.low != nullptr, fixed = w.block == 32;
   const int64_t nb = w.k / w.block;
   thread_local std::vector<float> scratch;  // ONNX Runtime's pool threads each run chunks
   scratch.resize(static_cast<size_t>(2 * nb * kChunk));
@@ -361,12 +347,14 @@ void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_be
     unpack_chunk(w, n0, count, d, shifts);
     if (w.lanes) {
       lanes_avx2(w, in, y, n0, count, d);
-    } else if (w.bytes) {
-      rows_avx2<kBytes>(w, in, y, n0, count, d);
-    } else if (w.low) {
-      rows_avx2<kTwo>(w, in, y, n0, count, d);
+    } else if (two && fixed) {
+      rows_avx2<true, 16>(w, in, y, n0, count, d);
+    } else if (two) {
+      rows_avx2<true, 0>(w, in, y, n0, count, d);
+    } else if (fixed) {
+      rows_avx2<false, 16>(w, in, y, n0, count, d);
     } else {
-      rows_avx2<kOne>(w, in, y, n0, count, d);
+      rows_avx2<false, 0>(w, in, y, n0, count, d);
     }
     offsets_avx2(w, in, y, n0, count, shifts);
   }

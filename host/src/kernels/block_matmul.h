@@ -22,11 +22,6 @@
 // 5. Output o's centred codes come out times 16^o and its sum is scaled back by 16^-o, a power of
 // two, so a lanes product rounds exactly as the pairs layout's does (to the bit, barring
 // subnormals): a `none` engine in lanes emits what a speculative one in pairs verifies.
-//
-// Bytes (codes of up to 8 bits, in place of two digits): each code one byte, [N, K / block, block],
-// each block's even inputs' codes, then its odd ones' (the paired order). Centred at 136 as two
-// digits are, it rounds as they do, bit for bit, and unpacks 8 codes with one widening load where
-// two digits take six instructions.
 #pragma once
 
 #include <cstddef>
@@ -46,7 +41,6 @@ struct BlockWeights {
   const void* offset = nullptr;    // m, the same layout, or nullptr when every m is zero
   bool half = false;               // d and m are float16 (else float32)
   bool lanes = false;              // `high` holds lanes [ceil(N / 8), K] of 8 outputs' codes (one digit)
-  bool bytes = false;              // `high` holds whole codes (two digits' worth), [N, K/block, block]
 };
 
 constexpr int64_t kLaneOutputs = 8;  // outputs whose codes share a 32-bit lane

@@ -5,8 +5,7 @@
 //   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], d [ceil(N/16), K/block, 16],
 //               m (d's shape, optional), low uint8 [N, K/block, block/2] (optional))
 //     -> y [..., N]                                   attributes: K, N, block_size
-// (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, or bytes,
-// uint8 [N, K/block, block]: a code a byte; neither takes a low digit)
+// (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit)
 //
 // d and m are both float32 or both float16 (block_matmul.h).
 //
@@ -180,11 +179,10 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   if (x_dims.empty() || x_dims.back() != kernel.k) return fail("input's last dimension is not K");
   const int64_t lane_tiles = (kernel.n + sg::kernels::kLaneOutputs - 1) / sg::kernels::kLaneOutputs;
   const bool lanes = high_dims == std::vector<int64_t>{lane_tiles, kernel.k, 4};
-  const bool bytes = high_dims == std::vector<int64_t>{kernel.n, nb, kernel.block};
-  if (!lanes && !bytes && high_dims != std::vector<int64_t>{kernel.n, nb, half}) {
-    return fail("codes are none of [N, K/block, block/2] (digits), lanes [ceil(N/8), K, 4] or bytes [N, K/block, block]");
+  if (!lanes && (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half)) {
+    return fail("packed codes are neither [N, K/block, block/2] nor lanes [ceil(N/8), K, 4]");
   }
-  if ((lanes || bytes) && in[4]) return fail("lanes and bytes hold whole codes: a low digit cannot go with them");
+  if (lanes && in[4]) return fail("lanes hold one digit: a low digit cannot go with them");
   const int64_t tile = sg::kernels::kScaleTile;
   const std::vector<int64_t> scales_shape{(kernel.n + tile - 1) / tile, nb, tile};
   if (scale_dims != scales_shape || (in[3] && offset_dims != scales_shape)) {
@@ -207,7 +205,6 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   if (in[3]) SG_TRY(data_of(in[3], &w.offset));
   w.half = scale_type == kHalf;
   w.lanes = lanes;
-  w.bytes = bytes;
   if (in[4]) SG_TRY(data_of(in[4], &w.low));
 
   std::vector<int64_t> y_dims(x_dims);
