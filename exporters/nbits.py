@@ -10,10 +10,12 @@ so the offsets collect in one per-block term, added as a small product with the 
 
 `accuracy_level=1` multiplies in float32, so the product equals the dequantised weight's to float
 rounding (this is `--activations fp32`); `accuracy_level=4` quantises x to int8 per block first
-(`--activations int8`: faster, a different model). With `native` kernels (`--kernels native`,
-float32 activations only) each product is instead one `specgraph.BlockMatMul` node over the same
-digit buffers, scales and c' (`host/src/kernels/`, specgraph's own ONNX Runtime operator library):
-the same sum in float32, the offset term included, in one node. An embedding table whose rows are the same
+(`--activations int8`: faster, a different model). With `native` kernels (`--kernels native`)
+each product is instead one `specgraph.BlockMatMul` node over the same digit buffers, scales and
+c' (`host/src/kernels/`, specgraph's own ONNX Runtime operator library): the same sum in float32,
+the offset term included, in one node. At int8 activations a native product of 32-weight blocks
+quantises x per block of 32 (`activation_bits=8`); one of other blocks (Q6_K's 16) multiplies in
+float32, so a native engine's every product stays row-consistent. An embedding table whose rows are the same
 blocks (a tied LM head) is gathered from the same digit buffers and dequantised in the graph:
 the engine holds no float copy of a quantised weight.
 """
@@ -42,6 +44,7 @@ class NBitsReport:
 
     matmuls: int = 0
     native: int = 0  # of the matmuls, those run by specgraph.BlockMatMul
+    native_int8: int = 0  # of those, the ones that quantise their input to int8 (activation_bits=8)
     lanes: int = 0  # of their runs, those whose codes take the kernel's lanes layout
     gathers: int = 0
     formats: dict[str, int] = field(default_factory=dict)  # weights per stored format
@@ -113,9 +116,11 @@ def run_weights_as_blocks(
                     x, y = flatten.input[0], unflatten.output[0]
                     dropped.update((flatten.name, unflatten.name))
                 if native and all(_native_fits(r) for r in runs):
-                    laned = lanes and node.input[1] not in gathered
-                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned)
+                    int8 = accuracy_level == 4 and all(r.block == NATIVE_INT8_BLOCK for r in runs)
+                    laned = lanes and not int8 and node.input[1] not in gathered
+                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, int8)
                     report.native += 1
+                    report.native_int8 += int8
                     report.lanes += sum(laned and len(r.digits) == 1 for r in runs)
                 else:
                     new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
@@ -247,11 +252,12 @@ def _native_fits(run: _Digits) -> bool:
 
 
 def _native_nodes(
-    name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto, lanes: bool
+    name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto, lanes: bool, int8: bool = False
 ) -> list[onnx.NodeProto]:
     """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low
     digit or ""), d and m the format's own scale and offset (the low digit's for two digits). With
-    `lanes`, a one-digit run's codes go in the kernel's lanes layout (`native_lanes`)."""
+    `lanes`, a one-digit run's codes go in the kernel's lanes layout (`native_lanes`); `int8`: x is
+    quantised to int8 per block of 32 first (`activation_bits=8`)."""
     nodes: list[onnx.NodeProto] = []
     outs = []
     for i, run in enumerate(runs):
@@ -263,8 +269,11 @@ def _native_nodes(
         inputs = [x, high, d, m, low]
         while inputs[-1] == "":
             inputs.pop()
-        nodes.append(helper.make_node("BlockMatMul", inputs, [out], name=f"{name}.r{i}", domain=NATIVE_DOMAIN,
-                                      K=run.cols, N=run.rows, block_size=run.block))  # fmt: skip
+        node = helper.make_node("BlockMatMul", inputs, [out], name=f"{name}.r{i}", domain=NATIVE_DOMAIN,
+                                K=run.cols, N=run.rows, block_size=run.block)  # fmt: skip
+        if int8:
+            node.attribute.append(helper.make_attribute("activation_bits", 8))
+        nodes.append(node)
         outs.append(out)
     if len(runs) > 1:
         nodes.append(helper.make_node("Concat", outs, [y], name=f"{name}.concat", axis=-1))
@@ -272,6 +281,7 @@ def _native_nodes(
 
 
 NATIVE_SCALE_TILE = 16  # host/src/kernels/block_matmul.h, kScaleTile
+NATIVE_INT8_BLOCK = 32  # block_matmul.h, kInt8Block: the weight block int8 activations take
 NATIVE_LANE_OUTPUTS = 8  # block_matmul.h, kLaneOutputs: outputs whose 4-bit codes share a 32-bit lane
 
 

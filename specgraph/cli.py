@@ -144,18 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         choices=["fp32", "int8"],
         help="fp32 (default): multiply in float32, exact against the weights. int8: quantise activations per "
-        "block for integer dot products: faster, a slightly different model (its speculative engines still "
-        "match its own none engine)",
+        "block of 32 for integer dot products (as llama.cpp does): faster, a slightly different model (its "
+        "speculative engines still match its own none engine)",
     )
     c.add_argument(
         "--kernels",
         default="auto",
         choices=list(KERNELS),
         help="how quantised weights are multiplied. native: specgraph's own ONNX Runtime operator "
-        "(libspecgraph_kernels.so, built by scripts/install.sh), float32 and exact, 1.8x MatMulNBits per step "
-        "on an AVX2 CPU; the bundle then runs only where that library is (the Python and C++ hosts load it). "
-        "ort: ONNX Runtime's MatMulNBits, which any ONNX Runtime runs. auto (default): native for exact "
-        "(fp32) activations when the library is built, else ort",
+        "(libspecgraph_kernels.so, built by scripts/install.sh), 1.8x MatMulNBits per step on an AVX2 CPU at "
+        "fp32 activations; the bundle then runs only where that library is (the Python and C++ hosts load it). "
+        "ort: ONNX Runtime's MatMulNBits, which any ONNX Runtime runs. auto (default): native when the library "
+        "is built, else ort",
     )
     c.add_argument(
         "--block-size", type=_positive, default=32, help="int8/int4: weights per quantisation block (default 32)"

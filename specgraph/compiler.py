@@ -233,8 +233,10 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
     say("export onnx")
     fuse = cfg.attention == "fused"
     heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if fuse else None
-    # int8 activations: a step must round as a verify call does (`fuse_cached_attention`'s pad)
-    pad_steps = fuse and cfg.activations == "int8"
+    # int8 activations on ONNX Runtime's kernels: a step must round as a verify call does
+    # (`fuse_cached_attention`'s pad); the native ones round a row alike in any call
+    kernels = resolve_kernels(cfg.kernels, cfg.weights, cfg.activations)
+    pad_steps = fuse and cfg.activations == "int8" and kernels == "ort"
     model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads, pad_steps)
     fused = _fused_layers(model_proto, "past_key_")
     counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused,
@@ -243,7 +245,7 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
     t0 = time.perf_counter()
     weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
                             skip=built.meta.get("weights_skip"), one_token=not cfg.spec.speculative,
-                            kernels=resolve_kernels(cfg.kernels, cfg.weights, cfg.activations))  # fmt: skip
+                            kernels=kernels)  # fmt: skip
     times["weights"] = times.get("weights", 0.0) + time.perf_counter() - t0
     tokenizer = _copy_tokenizer(loaded, staging)
     inputs, outputs = engine.io_names()

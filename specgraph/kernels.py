@@ -39,10 +39,10 @@ def check_available() -> None:
 
 
 def resolve(kernels: str, weights: str, activations: str) -> str:
-    """`auto`: native for float32 activations on quantised weights when the library is built, else ort."""
+    """`auto`: native for quantised weights when the library is built, else ort."""
     if kernels != "auto":
         return kernels
-    native = activations == "fp32" and weights != "fp32" and library_path() is not None
+    native = weights != "fp32" and library_path() is not None
     return "native" if native else "ort"
 
 

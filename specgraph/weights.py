@@ -10,10 +10,12 @@
   here from a float source. A GGUF is already quantised: requantising it is refused (it would
   quantise twice and change the model for no gain), use `source`.
 - `--kernels native`: the block products run as specgraph's own operator (`specgraph/kernels.py`)
-  instead of MatMulNBits plus an offset term; the same float32 sum, for `--activations fp32`.
-- `--activations int8`: MatMulNBits quantises each row of activations to int8 per block before
-  its integer dot products (accuracy level 4). A different, faster model: its speculative engines
-  still equal its own `none` engine token for token.
+  instead of MatMulNBits plus an offset term; the same float32 sum at `--activations fp32`.
+- `--activations int8`: each row of activations is quantised to int8 per block of 32 before
+  integer dot products: Q8_0's rule in the native kernel (a product of other blocks, Q6_K's 16,
+  stays float32 there; the manifest's `native_int8` counts those that quantise), MatMulNBits'
+  accuracy level 4 with `--kernels ort`. A different, faster model: its speculative engines still
+  equal its own `none` engine token for token.
 bf16 is not offered: ONNX Runtime's CPU provider has no bf16 matrix kernels, so a bf16 weight
 would be widened to a float32 copy at load, the opposite of the point.
 """
@@ -45,8 +47,6 @@ def check_weights(weights: str, activations: str, block_size: int, kernels: str 
     if kernels not in KERNELS:
         raise InputError(f"unknown --kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
     if kernels == "native":
-        if activations != "fp32":
-            raise InputError("--kernels native multiplies in float32: it needs --activations fp32")
         if weights == "fp32":
             raise InputError("--kernels native runs quantised weights: it needs --weights source, int8 or int4")
         check_available()
@@ -131,6 +131,8 @@ def store_weights(
     say("store weights as blocks")
     native = kernels == "native"
     report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations], native=native, lanes=native and one_token)
+    if native and activations == "int8":
+        section["native_int8"] = report.native_int8  # the others (blocks other than 32) multiply in float32
     attention = run_attention_natively(onnx_path) if kernels == "native" else 0  # the library is loaded anyway
     section.update(
         stored="blocks",

@@ -105,6 +105,64 @@ def test_block_matmul_equals_the_dequantised_product(digits, lanes, block, offse
     assert np.array_equal(alone, session.run(None, {"x": x})[0])
 
 
+def _int8_reference(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x [rows, K] quantised per block of 32 as the kernel does (q = round(x * 127 / max|x|) in
+    float32, step max|x| / 127), times the dequantised weight [N, K], in float64."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    most = np.abs(blocks).max(-1, keepdims=True)
+    inverse = np.where(most > 0, np.float32(127) / np.where(most > 0, most, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inverse)
+    return ((q * (most / np.float32(127))).reshape(x.shape).astype(np.float64)) @ weight.T
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("blocks", [1, 2, 5])
+@pytest.mark.parametrize("offset", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_int8_activations_equal_the_quantised_input_times_the_dequantised_weight(digits, blocks, offset, dtype):
+    """activation_bits=8: x quantised per block of 32 (an odd block count pairs the last with
+    zeros), integer products, against float64 of the same quantised x; and every row of a many-row
+    call equals that row alone, bit for bit (what lets an int8 verify call agree with its steps)."""
+    rng = np.random.default_rng(7 * blocks + digits)
+    n, k = 203, 32 * blocks
+    codes = rng.integers(0, 16 if digits == 1 else 256, (n, k))
+    d = (rng.random((blocks, n)) * 0.02 + 0.001).astype(dtype)
+    m = (-(8 if digits == 1 else 136) * d * rng.uniform(0.8, 1.2, d.shape)).astype(dtype) if offset else None
+    weight = np.repeat(d.T.astype(np.float64), 32, 1) * codes
+    if m is not None:
+        weight += np.repeat(m.T.astype(np.float64), 32, 1)
+    if digits == 1:
+        inits = [numpy_helper.from_array(_pack(codes, 32), "q")]
+        inputs = ["x", "q", "d", "m" if offset else ""]
+    else:
+        inits = [
+            numpy_helper.from_array(_pack(codes >> 4, 32), "q"),
+            numpy_helper.from_array(_pack(codes & 15, 32), "lo"),
+        ]
+        inputs = ["x", "q", "d", "m" if offset else "", "lo"]
+    inits.append(numpy_helper.from_array(native_scale_tiles(d.T).astype(dtype), "d"))
+    if m is not None:
+        inits.append(numpy_helper.from_array(native_scale_tiles(m.T).astype(dtype), "m"))
+    while inputs[-1] == "":
+        inputs.pop()
+    node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=32,
+                            activation_bits=8)  # fmt: skip
+    session = _session(node, inits, k, n)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        x[0, :32] = 0.0  # an all-zero block: step 0
+        got = session.run(None, {"x": x})[0]
+        want = _int8_reference(x, weight)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    x = rng.standard_normal((17, k)).astype(np.float32)
+    alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(17)])
+    assert np.array_equal(alone[:6], session.run(None, {"x": x[:6]})[0])
+    assert np.array_equal(alone, session.run(None, {"x": x})[0])
+    # and it is not the float32 product: the quantisation is real
+    exact = x.astype(np.float64) @ weight.T
+    assert np.abs(alone - exact).max() > 1e-4 * np.abs(exact).max()
+
+
 def test_block_matmul_refuses_scales_of_the_wrong_shape_or_type():
     k, n, block = 64, 16, 32
     codes = numpy_helper.from_array(np.zeros((n, k // block, block // 2), np.uint8), "q")
@@ -326,8 +384,6 @@ def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path):
 def test_what_native_kernels_cannot_run_is_refused(tmp_path, capsys, monkeypatch):
     path = str(write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0"))
     out = tmp_path / "out"
-    _cli_refuses(["compile", path, "-o", str(out), "--kernels", "native", "--activations", "int8"], capsys,
-                 "needs --activations fp32")  # fmt: skip
     _cli_refuses(["compile", path, "-o", str(out), "--kernels", "native", "--weights", "fp32"], capsys,
                  "runs quantised weights")  # fmt: skip
     compile_model(CompileConfig.of(model=path, output=out, max_context=160, kernels="native"))
@@ -340,14 +396,21 @@ def test_what_native_kernels_cannot_run_is_refused(tmp_path, capsys, monkeypatch
     _cli_refuses(["generate", str(out), "--prompt", "hi", "--max-new-tokens", "2"], capsys, "native kernels")
     with pytest.raises(InputError, match="unknown --kernels"):
         CompileConfig.of(model=path, output=tmp_path / "o3", kernels="fast").check()
-    # auto: ort where the library is missing, and wherever activations are int8
+    # auto: ort where the library is missing
     compile_model(CompileConfig.of(model=path, output=tmp_path / "o4", max_context=160))
     assert Engine(tmp_path / "o4").manifest["weights"]["kernels"] == "ort"
 
 
-def test_auto_kernels_are_native_for_exact_activations_only(tmp_path):
+def test_auto_kernels_are_native_at_either_activations(tmp_path):
+    """Where the library is built, auto takes it; at int8 activations every product of 32-weight
+    blocks quantises its input natively, and no one-token call is padded (the native kernel rounds
+    a row alike in any call)."""
     path = str(write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0"))
-    for activations, want in (("fp32", "native"), ("int8", "ort")):
+    for activations in ("fp32", "int8"):
         out = tmp_path / activations
         compile_model(CompileConfig.of(model=path, output=out, max_context=160, activations=activations))
-        assert Engine(out).manifest["weights"]["kernels"] == want
+        engine = Engine(out)
+        weights = engine.manifest["weights"]
+        assert weights["kernels"] == "native" and engine.extra_slots == 0
+        if activations == "int8":
+            assert weights["native_int8"] == weights["matmuls"] > 0 and weights["native_lanes"] == 0

@@ -100,6 +100,39 @@ void portable(const BlockWeights& w, const PreparedInput& in, float* y, int64_t 
   }
 }
 
+// The int8 product's (row, output) chain as the AVX2 path computes it (int8_tile): 8 lanes, lane l
+// of a pair holding the integer sum over 4 even and 4 odd inputs of block 2p + l / 4, scaled and
+// added per pair, then summed as hsum does; integer sums are exact in any order.
+float int8_chain(const BlockWeights& w, const PreparedInput& in, int64_t r, int64_t n) {
+  const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2, half = kInt8Block / 2;
+  float acc[8] = {};
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int8_t* q = in.codes + (r * pairs + p) * 64;
+    const float* steps = in.steps + (r * pairs + p) * 8;
+    const int32_t* centred = in.centred + (r * pairs + p) * 8;
+    for (int lane = 0; lane < 8; ++lane) {
+      const int64_t h = lane / 4, b = 2 * p + h;
+      int32_t sum = 0;
+      if (b < nb) {
+        for (int64_t j = 4 * (lane % 4); j < 4 * (lane % 4) + 4; ++j) {  // a byte: inputs 2j and 2j + 1
+          const float even = centred_code(w, n, b * kInt8Block + 2 * j) + centre(w);
+          const float odd = centred_code(w, n, b * kInt8Block + 2 * j + 1) + centre(w);
+          sum += static_cast<int32_t>(even) * q[h * half + j] + static_cast<int32_t>(odd) * q[32 + h * half + j];
+        }
+      }
+      const float d = b < nb ? value(w, w.scale, scale_at(w, b, n)) : 0.0f;
+      acc[lane] = std::fma(static_cast<float>(sum - centred[lane]), steps[lane] * d, acc[lane]);
+    }
+  }
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+void portable_int8(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
+  const int64_t nb = w.k / kInt8Block;
+  for (int64_t n = n_begin; n < n_end; ++n)
+    for (int64_t r = 0; r < in.rows; ++r) y[r * w.n + n] = int8_chain(w, in, r, n) + offset_term(w, in.sums + r * nb, n);
+}
+
 __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -271,6 +304,88 @@ void columns_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int6
   if (whole < count) tile_avx2<R, 1, Two, H>(w, in, y, n0 + whole, count - whole, r0, d + whole);
 }
 
+// The 4-bit digits of 2 blocks of one output (32 bytes; 16 of one last block, zeros after) times
+// rows' int8 codes: per 32-bit lane the integer sum over 4 even and 4 odd inputs (int8_chain).
+__attribute__((target("avx2,fma,f16c"))) inline __m256i digit_sums(__m256i packed, __m256i even_q, __m256i odd_q) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i even = _mm256_and_si256(packed, nibble);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+  // codes < 16 and |q| <= 127: a 16-bit sum of four products stays below 7,620
+  const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(even, even_q), _mm256_maddubs_epi16(odd, odd_q));
+  return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256i packed_pair(const uint8_t* p, bool single) {
+  if (single) return _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Rows [r0, r0 + R) of y for C outputs at a time of [n_first, n_first + count), int8 activations
+// (block_matmul.h): a pair of blocks' digits are unpacked once and multiplied into every row;
+// each (row, output) keeps its own chain, in int8_chain's order whatever R and C are.
+template <int R, int C, bool Two>
+__attribute__((target("avx2,fma,f16c"))) void int8_tile(const BlockWeights& w, const PreparedInput& in, float* y,
+                                                        int64_t n_first, int64_t count, int64_t r0, const float* d_first) {
+  const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2, half = kInt8Block / 2;
+  for (int64_t first = 0; first + C <= count; first += C) {
+    const int64_t n0 = n_first + first;
+    const float* d = d_first + first;
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const bool single = 2 * p + 1 == nb;
+      __m256i even_q[R], odd_q[R];
+      __m256 steps[R];
+      __m256i centred[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * pairs + p;
+        even_q[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.codes + at * 64));
+        odd_q[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.codes + at * 64 + 32));
+        steps[r] = _mm256_loadu_ps(in.steps + at * 8);
+        centred[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.centred + at * 8));
+      }
+      for (int c = 0; c < C; ++c) {
+        const __m128 d_first_block = _mm_broadcast_ss(d + 2 * p * kChunk + c);
+        const __m128 d_second = single ? _mm_setzero_ps() : _mm_broadcast_ss(d + (2 * p + 1) * kChunk + c);
+        const __m256 dv = _mm256_set_m128(d_second, d_first_block);
+        const int64_t at = (n0 + c) * nb * half + 2 * p * half;
+        const __m256i high = packed_pair(w.high + at, single);
+        __m256i low = _mm256_setzero_si256();
+        if (Two) low = packed_pair(w.low + at, single);
+        for (int r = 0; r < R; ++r) {
+          __m256i sum = digit_sums(high, even_q[r], odd_q[r]);
+          if (Two) sum = _mm256_add_epi32(_mm256_slli_epi32(sum, 4), digit_sums(low, even_q[r], odd_q[r]));
+          const __m256 t = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, centred[r]));
+          acc[r][c] = _mm256_fmadd_ps(t, _mm256_mul_ps(steps[r], dv), acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) y[(r0 + r) * w.n + n0 + c] = hsum(acc[r][c]);
+  }
+}
+
+template <int R, int C, bool Two>
+void int8_columns(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, int64_t r0,
+                  const float* d) {
+  const int64_t whole = count / C * C;
+  int8_tile<R, C, Two>(w, in, y, n0, whole, r0, d);
+  if (whole < count) int8_tile<R, 1, Two>(w, in, y, n0 + whole, count - whole, r0, d + whole);
+}
+
+template <bool Two>
+void int8_rows(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, const float* d) {
+  int64_t r = 0;
+  for (; r + kRowTile <= in.rows; r += kRowTile) int8_columns<kRowTile, 1, Two>(w, in, y, n0, count, r, d);
+  switch (in.rows - r) {
+    case 3: int8_columns<3, 1, Two>(w, in, y, n0, count, r, d); break;
+    case 2: int8_columns<2, 2, Two>(w, in, y, n0, count, r, d); break;
+    case 1: int8_columns<1, 4, Two>(w, in, y, n0, count, r, d); break;
+    default: break;
+  }
+}
+
 // Eight consecutive elements of d or m, from element i.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 eight(const BlockWeights& w, const void* p, int64_t i) {
   if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
@@ -345,7 +460,9 @@ void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_be
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kChunk) {
     const int64_t count = n_end - n0 < kChunk ? n_end - n0 : kChunk;
     unpack_chunk(w, n0, count, d, shifts);
-    if (w.lanes) {
+    if (in.codes) {
+      two ? int8_rows<true>(w, in, y, n0, count, d) : int8_rows<false>(w, in, y, n0, count, d);
+    } else if (w.lanes) {
       lanes_avx2(w, in, y, n0, count, d);
     } else if (two && fixed) {
       rows_avx2<true, 16>(w, in, y, n0, count, d);
@@ -385,8 +502,45 @@ void prepare_input(const float* x, int64_t rows, int64_t k, int64_t block, float
   }
 }
 
+void quantise_input(const float* x, int64_t rows, int64_t k, int centre, int8_t* codes, float* steps,
+                    int32_t* centred, float* sums) {
+  const int64_t nb = k / kInt8Block, pairs = (nb + 1) / 2, half = kInt8Block / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      int8_t* q = codes + (r * pairs + p) * 64;
+      float* e = steps + (r * pairs + p) * 8;
+      int32_t* c = centred + (r * pairs + p) * 8;
+      std::memset(q, 0, 64);
+      for (int lane = 0; lane < 8; ++lane) {
+        e[lane] = 0.0f;
+        c[lane] = 0;
+      }
+      for (int64_t h = 0; h < 2 && 2 * p + h < nb; ++h) {
+        const int64_t b = 2 * p + h;
+        const float* src = x + r * k + b * kInt8Block;
+        float most = 0.0f;
+        for (int64_t i = 0; i < kInt8Block; ++i) most = std::fmax(most, std::fabs(src[i]));
+        const float step = most / 127.0f, inverse = most > 0.0f ? 127.0f / most : 0.0f;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < half; ++j) {
+          const auto even = static_cast<int8_t>(std::lrint(src[2 * j] * inverse));
+          const auto odd = static_cast<int8_t>(std::lrint(src[2 * j + 1] * inverse));
+          q[h * half + j] = even;
+          q[32 + h * half + j] = odd;
+          sum += even + odd;
+        }
+        for (int lane = 0; lane < 4; ++lane) e[4 * h + lane] = step;
+        c[4 * h] = centre * sum;
+        sums[r * nb + b] = step * static_cast<float>(sum);
+      }
+    }
+  }
+}
+
 void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
-  if (has_avx2()) {
+  if (in.codes && !has_avx2()) {
+    portable_int8(w, in, y, n_begin, n_end);
+  } else if (has_avx2()) {
     avx2(w, in, y, n_begin, n_end);
   } else {
     portable(w, in, y, n_begin, n_end);

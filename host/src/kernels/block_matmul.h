@@ -22,6 +22,14 @@
 // 5. Output o's centred codes come out times 16^o and its sum is scaled back by 16^-o, a power of
 // two, so a lanes product rounds exactly as the pairs layout's does (to the bit, barring
 // subnormals): a `none` engine in lanes emits what a speculative one in pairs verifies.
+//
+// Int8 activations (`--activations int8`; blocks of 32, pairs layout): x is first quantised per
+// block of 32 inputs, q = round(x * 127 / max|x|) with step e = max|x| / 127 (Q8_0's rule, the
+// one llama.cpp applies to its activations), and the product is the dequantised weight's with
+// x' = e * q: T_b = sum code * q - centre * sum q in integers (AVX2 `maddubs` on the 4-bit
+// digits, so an 8-bit code is two such products), then y = sum_b d_b * e_b * T_b + c'_b * e_b *
+// sum q. Each (row, output) is one chain in an order no row count changes, so a row of a verify
+// call equals that row computed alone, bit for bit, as in float32.
 #pragma once
 
 #include <cstddef>
@@ -45,15 +53,28 @@ struct BlockWeights {
 
 constexpr int64_t kLaneOutputs = 8;  // outputs whose codes share a 32-bit lane
 
+constexpr int64_t kInt8Block = 32;  // inputs that share one int8 step
+
 // x rearranged once per call: each block's even inputs, then its odd ones, and each block's sum.
+// With int8 activations (`codes` set) instead: x quantised, per pair of blocks (a last odd block
+// pairs with zeros) the even inputs' codes of both blocks, then the odd inputs' ones, as `paired`
+// without its floats, and `sums` is each block's e * sum q.
 struct PreparedInput {
   int64_t rows = 0;
   const float* paired = nullptr;   // [rows, K]
   const float* sums = nullptr;     // [rows, K / block]
+  const int8_t* codes = nullptr;   // [rows, ceil(K / 64), 64]
+  const float* steps = nullptr;    // [rows, ceil(K / 64), 8]: e of a pair's first block in lanes 0-3, second 4-7
+  const int32_t* centred = nullptr;  // [rows, ceil(K / 64), 8]: centre * sum q of each block in lanes 0 and 4
 };
 
 // Fill `paired` [rows, K] and `sums` [rows, K / block] from x [rows, K].
 void prepare_input(const float* x, int64_t rows, int64_t k, int64_t block, float* paired, float* sums);
+
+// Fill the int8 fields of a PreparedInput (codes, steps, centred, sums as above) from x [rows, K],
+// K a multiple of 32; `centre`: 8 for one digit, 136 for two.
+void quantise_input(const float* x, int64_t rows, int64_t k, int centre, int8_t* codes, float* steps,
+                    int32_t* centred, float* sums);
 
 // y[r, n] for n in [n_begin, n_end), every row r. y is [rows, N]. With lanes, n_begin is a multiple of 8.
 void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end);

@@ -4,8 +4,10 @@
 //
 //   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], d [ceil(N/16), K/block, 16],
 //               m (d's shape, optional), low uint8 [N, K/block, block/2] (optional))
-//     -> y [..., N]                                   attributes: K, N, block_size
+//     -> y [..., N]                                   attributes: K, N, block_size, activation_bits
 // (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit)
+// activation_bits: 32 (the default) multiplies x as it is; 8 quantises x to int8 per block of 32
+// first (block_size 32, pairs layout only; block_matmul.h).
 //
 // d and m are both float32 or both float16 (block_matmul.h).
 //
@@ -148,6 +150,7 @@ OrtStatus* created(K* kernel, OrtStatus* status, void** out) {
 
 struct Kernel {
   int64_t k = 0, n = 0, block = 0;
+  bool int8 = false;  // activation_bits 8
 };
 
 // One parallel call: outputs split into tiles that ONNX Runtime's intra-op threads share.
@@ -183,6 +186,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
     return fail("packed codes are neither [N, K/block, block/2] nor lanes [ceil(N/8), K, 4]");
   }
   if (lanes && in[4]) return fail("lanes hold one digit: a low digit cannot go with them");
+  if (lanes && kernel.int8) return fail("int8 activations take the pairs layout, not lanes");
   const int64_t tile = sg::kernels::kScaleTile;
   const std::vector<int64_t> scales_shape{(kernel.n + tile - 1) / tile, nb, tile};
   if (scale_dims != scales_shape || (in[3] && offset_dims != scales_shape)) {
@@ -217,11 +221,26 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   y = static_cast<float*>(p);
   if (rows == 0) return nullptr;
 
-  thread_local std::vector<float> paired, sums;  // a session may run on several threads at once
-  paired.resize(static_cast<size_t>(rows * kernel.k));
+  thread_local std::vector<float> paired, sums, steps;  // a session may run on several threads at once
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<int32_t> centred;
   sums.resize(static_cast<size_t>(rows * nb));
-  sg::kernels::prepare_input(x, rows, kernel.k, kernel.block, paired.data(), sums.data());
-  sg::kernels::PreparedInput prepared{rows, paired.data(), sums.data()};
+  sg::kernels::PreparedInput prepared{rows, nullptr, sums.data()};
+  if (kernel.int8) {
+    const size_t pairs = static_cast<size_t>(rows * ((nb + 1) / 2));
+    codes.resize(pairs * 64);
+    steps.resize(pairs * 8);
+    centred.resize(pairs * 8);
+    sg::kernels::quantise_input(x, rows, kernel.k, in[4] ? 136 : 8, codes.data(), steps.data(), centred.data(),
+                                sums.data());
+    prepared.codes = codes.data();
+    prepared.steps = steps.data();
+    prepared.centred = centred.data();
+  } else {
+    paired.resize(static_cast<size_t>(rows * kernel.k));
+    sg::kernels::prepare_input(x, rows, kernel.k, kernel.block, paired.data(), sums.data());
+    prepared.paired = paired.data();
+  }
   Job job{&w, &prepared, y, 16};
   const size_t tiles = static_cast<size_t>((kernel.n + job.tile - 1) / job.tile);
   return g_api.KernelContext_ParallelFor(context, run_tile, tiles, tiles < 8 ? tiles : 8, &job);
@@ -234,6 +253,17 @@ OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void*
   if (!status) status = g_api.KernelInfoGetAttribute_int64(info, "block_size", &kernel->block);
   if (!status && (kernel->block <= 0 || kernel->block % 16 || kernel->k % kernel->block || kernel->n <= 0)) {
     status = fail("block_size must be a positive multiple of 16 that divides K");
+  }
+  int64_t bits = 32;
+  if (!status) {
+    OrtStatus* absent = g_api.KernelInfoGetAttribute_int64(info, "activation_bits", &bits);
+    if (absent) {  // not given: float32 activations
+      g_api.ReleaseStatus(absent);
+      bits = 32;
+    }
+    kernel->int8 = bits == 8;
+    if (bits != 8 && bits != 32) status = fail("activation_bits must be 32 or 8");
+    if (kernel->int8 && kernel->block != sg::kernels::kInt8Block) status = fail("int8 activations take block_size 32");
   }
   return created(kernel, status, out);
 }
