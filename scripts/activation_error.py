@@ -1,7 +1,9 @@
 """How far `--activations int8` is from exact fp32 activations, on the same stored weights.
 
 From one float32 bundle compiled with `--emit-logits`, this makes the `--weights source` engines
-with fp32 and with int8 activations (the same rewrite `compile` does), then reports, side by side:
+with fp32 and with int8 activations (the same rewrite `compile` does: native kernels where the
+library is built, as `--kernels auto` takes them), and int8 on ONNX Runtime's MatMulNBits
+(`int8-ort`, accuracy level 4), then reports, side by side:
 - perplexity on held-out text (HumanEval's canonical solutions, prompt + solution, teacher-forced
   through the engine's own logits), with Hugging Face's eager model on the dequantised GGUF as the
   reference the fp32-activation engine must equal;
@@ -25,15 +27,16 @@ import torch
 
 from specgraph.bench import _humaneval_file, encode_prompt, read_prompts
 from specgraph.exporters.manifest import write_manifest
+from specgraph.kernels import resolve
 from specgraph.loaders import load_model
 from specgraph.runtime import Engine
 from specgraph.weights import store_weights
 
 
-def _variant(src: Path, dst: Path, model: str, activations: str) -> Engine:
+def _variant(src: Path, dst: Path, model: str, activations: str, kernels: str) -> Engine:
     shutil.copytree(src, dst)
     manifest = json.loads((dst / "manifest.json").read_text())
-    manifest["weights"] = store_weights(dst / "model.onnx", model, "source", activations, 32)
+    manifest["weights"] = store_weights(dst / "model.onnx", model, "source", activations, 32, kernels=kernels)
     write_manifest(dst, {k: v for k, v in manifest.items() if k not in ("files", "format_version", "sizes")})
     return Engine(dst, threads=2, verify=False)
 
@@ -62,12 +65,14 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="activation-error-"))
     try:
-        engines = {act: _variant(args.bundle, work / act, args.model, act) for act in ("fp32", "int8")}
+        arms = {"fp32": ("fp32", resolve("auto", "source", "fp32")), "int8": ("int8", resolve("auto", "source", "int8")),
+                "int8-ort": ("int8", "ort")}  # fmt: skip
+        engines = {name: _variant(args.bundle, work / name, args.model, *arm) for name, arm in arms.items()}
         hf = load_model(args.model).hf_model
         tok = engines["fp32"].tokenizer
         with gzip.open(_humaneval_file(), "rt") as f:
             problems = [json.loads(line) for line in f][-args.texts :]  # the last problems: no prompt set uses them
-        totals = {k: [0.0, 0] for k in ("hf", "fp32", "int8")}
+        totals = {k: [0.0, 0] for k in ("hf", *engines)}
         worst = 0.0
         for p in problems:
             ids = tok.encode(p["prompt"] + p["canonical_solution"])[:1000]
@@ -75,27 +80,32 @@ def main() -> None:
                 ref = hf(torch.tensor([ids])).logits[0].numpy()
             got = {act: _logits(e, ids) for act, e in engines.items()}
             worst = max(worst, float(np.abs(got["fp32"] - ref).max() / np.abs(ref).max()))
-            for key, lg in (("hf", ref), ("fp32", got["fp32"]), ("int8", got["int8"])):
+            for key, lg in (("hf", ref), *got.items()):
                 nll, n = _nll(lg, ids)
                 totals[key][0] += nll
                 totals[key][1] += n
         ppl = {k: round(float(np.exp(s / n)), 4) for k, (s, n) in totals.items()}
         agreement = {}
         for name in ("humaneval", "chat", "creative"):
-            same, first = 0, []
+            same, first = {k: 0 for k in ("int8", "int8-ort")}, {k: [] for k in ("int8", "int8-ort")}  # type: ignore[var-annotated]
             for text in read_prompts(name, args.prompts):
                 ids = encode_prompt(tok, text)
                 a = engines["fp32"].generate(ids, max_new_tokens=64, stop_at_eos=False).output_ids
-                b = engines["int8"].generate(ids, max_new_tokens=64, stop_at_eos=False).output_ids
-                same += a == b
-                first.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)))
+                for arm in same:
+                    b = engines[arm].generate(ids, max_new_tokens=64, stop_at_eos=False).output_ids
+                    same[arm] += a == b
+                    first[arm].append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)))
             agreement[name] = {
-                "identical": same,
-                "prompts": args.prompts,
-                "mean_first_divergence": float(np.mean(first)),
+                arm: {
+                    "identical": same[arm],
+                    "prompts": args.prompts,
+                    "mean_first_divergence": float(np.mean(first[arm])),
+                }
+                for arm in same
             }
         result = {
             "held_out": f"HumanEval problems {164 - args.texts}-163, prompt + canonical solution ({totals['hf'][1]} tokens)",
+            "kernels": {name: arm[1] for name, arm in arms.items()},
             "perplexity": ppl,
             "fp32_activations_vs_hf_max_rel_logit_error": worst,
             "greedy_agreement_64_tokens": agreement,
