@@ -106,6 +106,9 @@ def run_weights_as_blocks(
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in graph.input}  # embedding ids: tokens [B, T]
     dropped: set[str] = set()
     gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}  # tied tables keep one layout
+    # ... but a two-digit table gathered by the tokens only may take wide lanes: the Gather reads them
+    wide_gathers = gathered - {n.input[0] for n in graph.node if n.op_type == "Gather" and ranks.get(n.input[1]) != 2}
+    int8 = accuracy_level == 4
     for node in graph.node:
         if node.op_type == "Gemm" and _plain_transb(node) and len(node.input) == 2:
             runs = digits_for(node.input[1])
@@ -116,12 +119,14 @@ def run_weights_as_blocks(
                     x, y = flatten.input[0], unflatten.output[0]
                     dropped.update((flatten.name, unflatten.name))
                 if native and all(_native_fits(r) for r in runs):
-                    int8 = accuracy_level == 4 and all(r.block == NATIVE_INT8_BLOCK for r in runs)
-                    laned = lanes and not int8 and node.input[1] not in gathered
-                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, int8)
+                    quantised = int8 and all(r.block == NATIVE_INT8_BLOCK for r in runs)
+                    table = node.input[1]
+                    wide = len(runs) == 1 and len(runs[0].digits) == 2 and table in wide_gathers
+                    laned = lanes and not quantised and (table not in gathered or wide)
+                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised)
                     report.native += 1
-                    report.native_int8 += int8
-                    report.lanes += sum(laned and len(r.digits) == 1 for r in runs)
+                    report.native_int8 += quantised
+                    report.lanes += sum(laned for r in runs)
                 else:
                     new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
                 report.matmuls += 1
@@ -134,7 +139,9 @@ def run_weights_as_blocks(
         ):
             runs = digits_for(node.input[0])
             if runs is not None and len(runs) == 1:
-                new_nodes += _gather_nodes(node, runs[0])
+                run = runs[0]
+                wide = lanes and native and not int8 and len(run.digits) == 2 and node.input[0] in wide_gathers
+                new_nodes += _gather_nodes(node, run, _native_lanes(graph, run) if wide and _native_fits(run) else None)
                 report.gathers += 1
                 continue
         new_nodes.append(node)
@@ -264,8 +271,9 @@ def _native_nodes(
         out = f"{y}.r{i}" if len(runs) > 1 else y
         high, low = run.digits[0][0], run.digits[1][0] if len(run.digits) == 2 else ""
         d, m = _native_scales(graph, high.rsplit(".", 1)[0], run)
-        if lanes and not low:
-            high = _native_lanes(graph, high)
+        wide = lanes and bool(low)
+        if lanes:  # one digit: lanes of 8 outputs; two: wide lanes of 4 (8-bit codes)
+            high, low = _native_lanes(graph, run), ""
         inputs = [x, high, d, m, low]
         while inputs[-1] == "":
             inputs.pop()
@@ -273,6 +281,8 @@ def _native_nodes(
                                 K=run.cols, N=run.rows, block_size=run.block)  # fmt: skip
         if int8:
             node.attribute.append(helper.make_attribute("activation_bits", 8))
+        if wide:
+            node.attribute.append(helper.make_attribute("lane_bits", 8))
         nodes.append(node)
         outs.append(out)
     if len(runs) > 1:
@@ -285,28 +295,37 @@ NATIVE_INT8_BLOCK = 32  # block_matmul.h, kInt8Block: the weight block int8 acti
 NATIVE_LANE_OUTPUTS = 8  # block_matmul.h, kLaneOutputs: outputs whose 4-bit codes share a 32-bit lane
 
 
-def native_lanes(packed: np.ndarray) -> np.ndarray:
+def native_lanes(packed: np.ndarray, low: np.ndarray | None = None) -> np.ndarray:
     """Packed one-digit codes uint8 [N, K/block, block/2] -> the kernel's lanes, uint8 [ceil(N/8),
     K, 4]: lane [t, p] holds output 8t + o's code in bits [4o, 4o + 4) (zero past N), p the input's
-    position in the kernel's paired order (each block's even inputs, then its odd ones)."""
+    position in the kernel's paired order (each block's even inputs, then its odd ones). With the
+    low digit too (codes 16 * high + low): wide lanes, uint8 [ceil(N/4), K, 4], output 4t + o's
+    8-bit code in byte o."""
     n = packed.shape[0]
-    codes = np.stack([packed & 0x0F, packed >> 4], axis=2).reshape(n, -1)  # [N, K]: a block's evens, then odds
-    tiles = -(-n // NATIVE_LANE_OUTPUTS)
-    padded = np.zeros((tiles * NATIVE_LANE_OUTPUTS, codes.shape[1]), np.uint32)
+
+    def paired(p: np.ndarray) -> np.ndarray:  # [N, K]: a block's evens, then its odds
+        return np.stack([p & 0x0F, p >> 4], axis=2).reshape(n, -1).astype(np.uint32)
+
+    codes = paired(packed) if low is None else 16 * paired(packed) + paired(low)
+    per, bits = (NATIVE_LANE_OUTPUTS, 4) if low is None else (NATIVE_LANE_OUTPUTS // 2, 8)
+    tiles = -(-n // per)
+    padded = np.zeros((tiles * per, codes.shape[1]), np.uint32)
     padded[:n] = codes
-    grouped = padded.reshape(tiles, NATIVE_LANE_OUTPUTS, -1)
+    grouped = padded.reshape(tiles, per, -1)
     lanes = np.zeros((tiles, codes.shape[1]), np.uint32)
-    for o in range(NATIVE_LANE_OUTPUTS):
-        lanes |= grouped[:, o] << np.uint32(4 * o)
+    for o in range(per):
+        lanes |= grouped[:, o] << np.uint32(bits * o)
     return lanes.astype("<u4").view(np.uint8).reshape(tiles, -1, 4)
 
 
-def _native_lanes(graph: onnx.GraphProto, packed: str) -> str:
-    """The lanes initializer of the packed digit `packed` (added once)."""
-    name = f"{packed.rsplit('.', 1)[0]}.lanes"
+def _native_lanes(graph: onnx.GraphProto, run: _Digits) -> str:
+    """The lanes initializer of a run's digits (wide lanes for two), added once."""
+    high = run.digits[0][0]
+    name = f"{high.rsplit('.', 1)[0]}.lanes"
     if name not in {t.name for t in graph.initializer}:
-        source = next(t for t in graph.initializer if t.name == packed)
-        graph.initializer.append(numpy_helper.from_array(native_lanes(numpy_helper.to_array(source)), name))
+        arrays = {t.name: t for t in graph.initializer}
+        packed = [numpy_helper.to_array(arrays[q]) for q, _s in run.digits]
+        graph.initializer.append(numpy_helper.from_array(native_lanes(*packed), name))
     return name
 
 
@@ -359,8 +378,10 @@ def _sum(terms: list[str], out: str, nodes: list[onnx.NodeProto]) -> str:
     return out
 
 
-def _gather_nodes(node: onnx.NodeProto, run: _Digits) -> list[onnx.NodeProto]:
-    """Embedding rows from the digit buffers: gather packed rows, unpack nibbles, scale, offset."""
+def _gather_nodes(node: onnx.NodeProto, run: _Digits, lanes: str | None = None) -> list[onnx.NodeProto]:
+    """Embedding rows from the digit buffers: gather packed rows, unpack nibbles, scale, offset.
+    `lanes`: a two-digit table's wide lanes instead (ids [B, T]), each row's bytes gathered and
+    split into the same two digits, so the rows equal the digit buffers' to the bit."""
     ids, y, p = node.input[1], node.output[0], node.output[0] + ".q"
     nb = run.cols // run.block
     nodes: list[onnx.NodeProto] = []
@@ -384,17 +405,26 @@ def _gather_nodes(node: onnx.NodeProto, run: _Digits) -> list[onnx.NodeProto]:
         const("four", np.asarray(4, np.uint8)),
         const("eight", np.asarray(8.0, np.float32)),
     )
+    if lanes is not None:
+        nodes += _wide_lane_codes(ids, lanes, run, f"{p}.wide", lead, blocks_shape, const)
     terms = []
     for j, (q, s) in enumerate(run.digits):
         d = f"{p}.d{j}"
+        if lanes is not None:  # digit 0 is the code's high nibble, digit 1 its low one
+            split = helper.make_node("BitShift", [f"{p}.wide", four], [f"{d}.codes"], direction="RIGHT") if j == 0 else \
+                helper.make_node("BitwiseAnd", [f"{p}.wide", fifteen], [f"{d}.codes"])  # fmt: skip
+            nodes.append(split)
+        else:
+            nodes += [
+                helper.make_node("Gather", [q, ids], [f"{d}.packed"], axis=0),  # [*ids, nb, block/2]
+                helper.make_node("BitwiseAnd", [f"{d}.packed", fifteen], [f"{d}.lo"]),
+                helper.make_node("BitShift", [f"{d}.packed", four], [f"{d}.hi"], direction="RIGHT"),
+                helper.make_node("Unsqueeze", [f"{d}.lo", last], [f"{d}.lo1"]),
+                helper.make_node("Unsqueeze", [f"{d}.hi", last], [f"{d}.hi1"]),
+                helper.make_node("Concat", [f"{d}.lo1", f"{d}.hi1"], [f"{d}.pairs"], axis=-1),  # [*ids, nb, block/2, 2]
+                helper.make_node("Reshape", [f"{d}.pairs", blocks_shape], [f"{d}.codes"]),  # [*ids, nb, block]
+            ]
         nodes += [
-            helper.make_node("Gather", [q, ids], [f"{d}.packed"], axis=0),  # [*ids, nb, block/2]
-            helper.make_node("BitwiseAnd", [f"{d}.packed", fifteen], [f"{d}.lo"]),
-            helper.make_node("BitShift", [f"{d}.packed", four], [f"{d}.hi"], direction="RIGHT"),
-            helper.make_node("Unsqueeze", [f"{d}.lo", last], [f"{d}.lo1"]),
-            helper.make_node("Unsqueeze", [f"{d}.hi", last], [f"{d}.hi1"]),
-            helper.make_node("Concat", [f"{d}.lo1", f"{d}.hi1"], [f"{d}.pairs"], axis=-1),  # [*ids, nb, block/2, 2]
-            helper.make_node("Reshape", [f"{d}.pairs", blocks_shape], [f"{d}.codes"]),  # [*ids, nb, block]
             helper.make_node("Cast", [f"{d}.codes"], [f"{d}.float"], to=TensorProto.FLOAT),
             helper.make_node("Sub", [f"{d}.float", eight], [f"{d}.centred"]),
             helper.make_node("Gather", [s, ids], [f"{d}.scale"], axis=0),  # [*ids, nb]
@@ -412,3 +442,32 @@ def _gather_nodes(node: onnx.NodeProto, run: _Digits) -> list[onnx.NodeProto]:
     _sum(terms, f"{p}.blocks", nodes)
     nodes.append(helper.make_node("Reshape", [f"{p}.blocks", row_shape], [y], name=node.name))
     return nodes
+
+
+def _wide_lane_codes(ids: str, lanes: str, run: _Digits, out: str, lead: str, blocks_shape: str,
+                     const: Callable[[str, np.ndarray], str]) -> list[onnx.NodeProto]:  # fmt: skip
+    """`out` [B, T, nb, block] uint8: the 8-bit codes of rows `ids` [B, T] of a wide-lanes table
+    (row n's code of paired input p is byte n % 4 of lane [n / 4, p]), in the inputs' own order."""
+    k, nb, half = run.cols, run.cols // run.block, run.block // 2
+    four = const("wide.four", np.asarray(4, np.int64))
+    axes = const("wide.axes", np.asarray([2, 3], np.int64))
+    return [
+        helper.make_node("Div", [ids, four], [f"{out}.tile"]),
+        helper.make_node("Mod", [ids, four], [f"{out}.byte"]),
+        helper.make_node("Concat", [lead, const("wide.k1", np.asarray([k, 1], np.int64))], [f"{out}.shape"], axis=0),
+        helper.make_node("Unsqueeze", [f"{out}.tile", axes], [f"{out}.tile1"]),
+        helper.make_node("Unsqueeze", [f"{out}.byte", axes], [f"{out}.byte1"]),
+        helper.make_node("Expand", [f"{out}.tile1", f"{out}.shape"], [f"{out}.tiles"]),  # [B, T, K, 1]
+        helper.make_node("Expand", [f"{out}.byte1", f"{out}.shape"], [f"{out}.bytes"]),
+        helper.make_node(
+            "Expand", [const("wide.at", np.arange(k, dtype=np.int64)[:, None]), f"{out}.shape"], [f"{out}.inputs"]
+        ),  # fmt: skip
+        helper.make_node("Concat", [f"{out}.tiles", f"{out}.inputs", f"{out}.bytes"], [f"{out}.index"], axis=-1),
+        helper.make_node("GatherND", [lanes, f"{out}.index"], [f"{out}.paired"]),  # [B, T, K]: evens, then odds
+        helper.make_node(
+            "Concat", [lead, const("wide.split", np.asarray([nb, 2, half], np.int64))], [f"{out}.split_shape"], axis=0
+        ),  # fmt: skip
+        helper.make_node("Reshape", [f"{out}.paired", f"{out}.split_shape"], [f"{out}.halves"]),
+        helper.make_node("Transpose", [f"{out}.halves"], [f"{out}.pairs"], perm=[0, 1, 2, 4, 3]),
+        helper.make_node("Reshape", [f"{out}.pairs", blocks_shape], [out]),
+    ]

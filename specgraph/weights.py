@@ -101,11 +101,13 @@ def store_weights(
 ) -> dict[str, Any]:
     """Rewrite the exported engine's matrices for `weights`; return the manifest's `weights` section.
     Initializers whose names start with `skip` (a drafter's own weights) are left as they are. With
-    native kernels the fused attention layers run specgraph's own `CachedAttention` too, and
+    native kernels the fused attention layers run specgraph's own `CachedAttention` too, the products
+    take in the norms, SwiGLUs and residual adds around them (`exporters/native_fusion.py`), and
     `one_token` (an engine whose decode calls take one token: `none`) stores one-digit codes in the
     kernel's lanes layout, faster for one row and slower for several (docs/benchmarks.md)."""
     from specgraph import blocks
     from specgraph.exporters.attention import run_attention_natively
+    from specgraph.exporters.native_fusion import fuse_into_block_matmuls
     from specgraph.exporters.nbits import run_weights_as_blocks
 
     say = progress or (lambda _msg: None)
@@ -134,6 +136,7 @@ def store_weights(
     if native and activations == "int8":
         section["native_int8"] = report.native_int8  # the others (blocks other than 32) multiply in float32
     attention = run_attention_natively(onnx_path) if kernels == "native" else 0  # the library is loaded anyway
+    fused = fuse_into_block_matmuls(onnx_path) if kernels == "native" else {}
     section.update(
         stored="blocks",
         matmuls=report.matmuls,
@@ -147,6 +150,8 @@ def store_weights(
         native_lanes=report.lanes,
         native_attention=attention,
     )
+    if fused:
+        section["native_fused"] = fused  # norms, SwiGLUs and residual adds the products compute
     return section
 
 

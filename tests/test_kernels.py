@@ -51,7 +51,7 @@ def _native_session(graph: onnx.GraphProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize(("digits", "lanes"), [(1, False), (1, True), (2, False)])
+@pytest.mark.parametrize(("digits", "lanes"), [(1, False), (1, True), (2, False), (2, True)])
 @pytest.mark.parametrize("block", [16, 32, 64])
 @pytest.mark.parametrize("offset", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -68,7 +68,11 @@ def test_block_matmul_equals_the_dequantised_product(digits, lanes, block, offse
     weight = np.repeat(d.T.astype(np.float64), block, 1) * codes  # [N, K]
     if m is not None:
         weight += np.repeat(m.T.astype(np.float64), block, 1)
-    if lanes:
+    extra = {}
+    if lanes and digits == 2:  # wide lanes: 4 outputs' 8-bit codes a 32-bit lane
+        inits = [numpy_helper.from_array(native_lanes(_pack(codes >> 4, block), _pack(codes & 15, block)), "q")]
+        inputs, extra = ["x", "q", "d", "m" if offset else ""], {"lane_bits": 8}
+    elif lanes:
         inits = [numpy_helper.from_array(native_lanes(_pack(codes, block)), "q")]
         inputs = ["x", "q", "d", "m" if offset else ""]
     elif digits == 1:
@@ -83,12 +87,19 @@ def test_block_matmul_equals_the_dequantised_product(digits, lanes, block, offse
         inits.append(numpy_helper.from_array(native_scale_tiles(m.T).astype(dtype), "m"))
     while inputs[-1] == "":
         inputs.pop()
-    node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)
+    node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block, **extra)
     session = _session(node, inits, k, n)
     pairs = None
     if lanes:  # the same weight in the pairs layout: a lanes product rounds as it does, to the bit
-        inits = [numpy_helper.from_array(_pack(codes, block), "q"), *inits[1:]]
-        pairs = _session(node, inits, k, n)
+        if digits == 1:
+            inits = [numpy_helper.from_array(_pack(codes, block), "q"), *inits[1:]]
+            plain = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)
+        else:
+            inits = [numpy_helper.from_array(_pack(codes >> 4, block), "q"),
+                     numpy_helper.from_array(_pack(codes & 15, block), "lo"), *inits[1:]]  # fmt: skip
+            plain = helper.make_node("BlockMatMul", [*inputs, *[""] * (4 - len(inputs)), "lo"], ["y"],
+                                     domain=NATIVE_DOMAIN, K=k, N=n, block_size=block)  # fmt: skip
+        pairs = _session(plain, inits, k, n)
     for shape in [(1, k), (2, k), (3, k), (4, k), (5, k), (9, k), (13, k), (2, 3, k), (2, 10, k), (1, 0, k)]:
         x = rng.standard_normal(shape).astype(np.float32)
         got = session.run(None, {"x": x})[0]
@@ -161,6 +172,88 @@ def test_int8_activations_equal_the_quantised_input_times_the_dequantised_weight
     # and it is not the float32 product: the quantisation is real
     exact = x.astype(np.float64) @ weight.T
     assert np.abs(alone - exact).max() > 1e-4 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_block_matmul_takes_in_a_norm_a_swiglu_and_a_residual(bits):
+    """The inputs native_fusion folds in: `norm` (an RMS norm of x first), `glu=1` (silu of x's
+    first half times its second), `addend` (added to y, as the Add it replaces: to the bit)."""
+    rng = np.random.default_rng(bits)
+    n, k = 40, 64
+    codes = rng.integers(0, 16, (n, k))
+    d = (rng.random((k // 32, n)) * 0.02 + 0.001).astype(np.float32)
+    weight = np.repeat(d.T.astype(np.float64), 32, 1) * codes  # no m: w = d * code
+    scale = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    inits = [numpy_helper.from_array(_pack(codes, 32), "q"), numpy_helper.from_array(native_scale_tiles(d.T), "d"),
+             numpy_helper.from_array(scale, "norm")]  # fmt: skip
+    extra = {"activation_bits": 8} if bits == 8 else {}
+    plain = _session(helper.make_node("BlockMatMul", ["x", "q", "d"], ["y"], domain=NATIVE_DOMAIN, K=k, N=n,
+                                      block_size=32, **extra), inits[:2], k, n)  # fmt: skip
+
+    def fused(inputs: list[str], **attrs: object) -> ort.InferenceSession:
+        node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=32,
+                                **extra, **attrs)  # fmt: skip
+        names = ["x", "addend"] if "addend" in inputs else ["x"]
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(v, TensorProto.FLOAT, None) for v in names],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)  # fmt: skip
+        return _native_session(graph)
+
+    x = rng.standard_normal((3, k)).astype(np.float32) * 3
+    normed = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * scale
+    got = fused(["x", "q", "d", "", "", "norm"], norm_epsilon=1e-5).run(None, {"x": x})[0]
+    want = plain.run(None, {"x": normed.astype(np.float32)})[0]
+    if bits == 32:
+        assert np.abs(got - normed @ weight.T).max() <= 1e-5 * np.abs(want).max()
+    else:  # a last-bit difference in x' may move an int8 rounding: compare with the unfused node
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    gate_up = rng.standard_normal((2, 3, 2 * k)).astype(np.float32) * 4
+    g, u = gate_up[..., :k].astype(np.float64), gate_up[..., k:]
+    swiglu = g / (1 + np.exp(-g)) * u
+    got = fused(["x", "q", "d"], glu=1).run(None, {"x": gate_up})[0]
+    want = plain.run(None, {"x": swiglu.astype(np.float32)})[0]
+    assert got.shape == (2, 3, n)
+    if bits == 32:
+        assert np.abs(got - swiglu @ weight.T).max() <= 1e-5 * np.abs(want).max()
+    else:
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    residual = rng.standard_normal((3, n)).astype(np.float32)
+    got = fused(["x", "q", "d", "", "", "", "addend"]).run(None, {"x": x, "addend": residual})[0]
+    assert np.array_equal(got, residual + plain.run(None, {"x": x})[0])
+    with pytest.raises(Exception, match="addend does not have the output's shape"):
+        fused(["x", "q", "d", "", "", "", "addend"]).run(None, {"x": x, "addend": residual[:1]})
+    with pytest.raises(Exception, match=r"not 2K \(glu\)"):
+        fused(["x", "q", "d"], glu=1).run(None, {"x": x})
+
+
+def test_native_engines_fold_norms_swiglus_and_residuals_into_their_products(tmp_path):
+    """Every decoder layer's two norms, its SwiGLU and its two residual adds (and the final norm)
+    go into the products; a norm whose output another node also reads stays a node. (HF equality
+    of this engine: test_native_engines_match_hf_generate_on_the_gguf.)"""
+    from specgraph.exporters.native_fusion import fuse_into_block_matmuls
+
+    path = write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0")
+    compile_model(CompileConfig.of(model=str(path), output=tmp_path / "b", max_context=160, kernels="native"))
+    engine = Engine(tmp_path / "b")
+    layers = engine.manifest["anatomy"]["decoder_blocks"]
+    assert engine.manifest["weights"]["native_fused"] == {"norms": 2 * layers + 1, "glus": layers,
+                                                         "residuals": 2 * layers}  # fmt: skip
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "b" / "model.onnx"), load_external_data=False).graph.node]
+    assert "RMSNormalization" not in ops and "Sigmoid" not in ops
+    # the tied Q8_0 table: the LM head in wide lanes, the embedding gathered from them (GatherND)
+    assert engine.manifest["weights"]["native_lanes"] == engine.manifest["weights"]["matmuls"] and "GatherND" in ops
+    # a norm read twice (here: also a graph output) is left alone
+    k, n = 64, 16
+    norm = helper.make_node("RMSNormalization", ["x", "s"], ["h"], axis=-1, epsilon=1e-5)
+    product = helper.make_node("BlockMatMul", ["h", "q", "d"], ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=32)
+    graph = helper.make_graph(
+        [norm, product], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info(v, TensorProto.FLOAT, None) for v in ("y", "h")],
+        [numpy_helper.from_array(np.ones(k, np.float32), "s"), numpy_helper.from_array(np.zeros((n, 2, 16), np.uint8), "q"),
+         numpy_helper.from_array(np.ones((1, 2, 16), np.float32), "d")],
+    )  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(NATIVE_DOMAIN, 1)]),
+              str(tmp_path / "g.onnx"))  # fmt: skip
+    assert fuse_into_block_matmuls(tmp_path / "g.onnx") == {"norms": 0, "glus": 0, "residuals": 0}
 
 
 def test_block_matmul_refuses_scales_of_the_wrong_shape_or_type():
@@ -359,15 +452,17 @@ def test_native_engines_match_hf_generate_on_the_gguf(matrices, embedding, metho
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
-def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path):
-    """int4 weights made here, native kernels: lookup and Medusa emit what none emits, greedy and
-    sampled, though none's codes take the lanes layout and theirs the pairs layout."""
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, weights):
+    """int4 and int8 weights made here, native kernels: lookup and Medusa emit what none emits,
+    greedy and sampled, though none's codes take the lanes layout (int8's 8-bit codes wide lanes,
+    the tied embedding gathered from them) and theirs the pairs layout."""
     folder = tiny_folder("llama")
     engines = {}
     for method in ("none", "lookup", "medusa"):
         extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
         compile_model(CompileConfig.of(model=str(folder), output=tmp_path / method, method=method, max_context=160,
-                                       weights="int4", kernels="native", **extra))  # fmt: skip
+                                       weights=weights, kernels="native", **extra))  # fmt: skip
         engines[method] = Engine(tmp_path / method)
     lanes = {method: engine.manifest["weights"]["native_lanes"] for method, engine in engines.items()}
     assert lanes["none"] == engines["none"].manifest["weights"]["matmuls"] > 0

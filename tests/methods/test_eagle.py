@@ -350,8 +350,12 @@ def test_source_gguf_engine_equals_its_none_engine(tmp_path):
     weights = {m: dict(e.manifest["weights"]) for m, e in engines.items()}
     # the target's as stored; with native kernels only none's one-token calls take the lanes layout
     lanes = {m: w.pop("native_lanes", 0) for m, w in weights.items()}
+    # and the final norm, whose output EAGLE's drafter reads too, stays a node in eagle's engine
+    fused = {m: w.pop("native_fused", {}) for m, w in weights.items()}
     assert weights["eagle"] == weights["none"] and lanes["eagle"] == 0
     assert (lanes["none"] > 0) == (weights["none"]["kernels"] == "native")
+    if fused["none"]:
+        assert fused["eagle"] == {**fused["none"], "norms": fused["none"]["norms"] - 1}
     assert engines["eagle"].manifest["eagle"]["weights"]["weights"] == "int8"  # the drafter's own blocks
     for prompt in PROMPTS[:2]:
         want = engines["none"].generate(prompt, max_new_tokens=24, stop_at_eos=False).output_ids

@@ -16,10 +16,15 @@ namespace {
 constexpr int kRowTile = 4;  // input rows that share one unpacking of a weight block
 constexpr int64_t kChunk = kScaleTile;  // outputs whose d and c' are unpacked together
 
-float centre(const BlockWeights& w) { return w.low ? 136.0f : 8.0f; }
+float centre(const BlockWeights& w) { return w.low || w.wide ? 136.0f : 8.0f; }
 
-// 16^-o: output o of a lane takes its centred code times 16^o (the top one, by a shift, times 1).
+// Outputs a 32-bit lane holds: 8 of 4-bit codes, 4 of 8-bit ones.
+int64_t lane_outputs(const BlockWeights& w) { return w.wide ? kLaneOutputs / 2 : kLaneOutputs; }
+
+// 16^-o (256^-o for 8-bit codes): output o of a lane takes its centred code times 16^o (256^o),
+// the top one, taken by a shift, times 1.
 constexpr float kLaneUnit[kLaneOutputs] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+constexpr float kWideLaneUnit[kLaneOutputs / 2] = {1.0f, 0x1p-8f, 0x1p-16f, 1.0f};
 
 // float16 -> float32, exactly (subnormals, infinities and NaNs included).
 float from_half(uint16_t h) {
@@ -69,9 +74,11 @@ float offset_term(const BlockWeights& w, const float* sums, int64_t n) {
 float centred_code(const BlockWeights& w, int64_t n, int64_t i) {
   const int64_t half = w.block / 2, nb = w.k / w.block;
   const int64_t b = i / w.block, j = (i % w.block) / 2;
-  if (w.lanes) {  // lane [n / 8, paired position of i], nibble n % 8
-    const uint8_t* lane = w.high + ((n / kLaneOutputs) * w.k + b * w.block + (i % 2) * half + j) * 4;
-    const int o = static_cast<int>(n % kLaneOutputs);
+  if (w.lanes) {  // lane [n / 8, paired position of i], nibble n % 8 (8-bit: [n / 4, ...], byte n % 4)
+    const int64_t per = lane_outputs(w);
+    const uint8_t* lane = w.high + ((n / per) * w.k + b * w.block + (i % 2) * half + j) * 4;
+    const int o = static_cast<int>(n % per);
+    if (w.wide) return static_cast<float>(lane[o]) - centre(w);
     return static_cast<float>((lane[o / 2] >> (4 * (o % 2))) & 0x0F) - centre(w);
   }
   const int64_t at = (n * nb + b) * half + j;
@@ -141,17 +148,20 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
 }
 
 // One pass over a lane tile (lanes layout, block_matmul.h): rows [0, R) and the tile's outputs
-// [O, O + P). Each 8 lanes (8 inputs of the paired order, 8 outputs) are loaded once; output o's
-// centred codes times 16^o are one AND (the top output's one shift) and one subtraction, converted
-// once and multiplied into every row. The inputs go in tile_avx2's order (a block's 8 even inputs
-// from j, then its 8 odd ones, for j = 0, 8, ...), one chain a (row, output), and the chain's value
-// is 16^o times tile_avx2's, exactly, so once scaled back a product rounds as the pairs layout's
-// does, bit for bit, for every R and P. `d`: the tile's scales, [K/block] x kChunk.
-// H: block / 2 when fixed at compile time (16: the loop unrolls), 0 to read it from w.
-template <int R, int P, int O, int H>
+// [O, O + P). Each 8 lanes (8 inputs of the paired order, 8 or, for B = 8-bit codes, 4 outputs)
+// are loaded once; output o's centred codes times 16^o (256^o) are one AND (the top output's one
+// shift) and one subtraction, converted once and multiplied into every row. The inputs go in
+// tile_avx2's order (a block's 8 even inputs from j, then its 8 odd ones, for j = 0, 8, ...), one
+// chain a (row, output), and the chain's value is 16^o (256^o) times tile_avx2's, exactly, so once
+// scaled back a product rounds as the pairs layout's does, bit for bit, for every R and P.
+// `d`: the tile's scales, [K/block] x kChunk. H: block / 2 when fixed at compile time (16: the
+// loop unrolls), 0 to read it from w.
+template <int B, int R, int P, int O, int H>
 __attribute__((target("avx2,fma,f16c"))) void lane_pass(const BlockWeights& w, const uint32_t* lanes,
                                                         const float* const* x, const float* d,
                                                         float (*out)[kLaneOutputs]) {
+  constexpr int kTop = 32 / B - 1;
+  constexpr int kMask = (1 << B) - 1, kCentre = B == 4 ? 8 : 136;
   const int64_t half = H ? H : w.block / 2, block = 2 * half, nb = w.k / block;
   __m256 acc[R][P];
   for (int r = 0; r < R; ++r)
@@ -166,11 +176,10 @@ __attribute__((target("avx2,fma,f16c"))) void lane_pass(const BlockWeights& w, c
         __m256 xs[R];
         for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x[r] + at_input);
         for (int o = 0; o < P; ++o) {
-          constexpr int kTop = kLaneOutputs - 1;
           const int at = O + o;
-          const __m256i code = at == kTop ? _mm256_srli_epi32(v, 28)
-                                          : _mm256_and_si256(v, _mm256_set1_epi32(0x0F << (4 * at)));
-          const int centre_at = at == kTop ? 8 : 8 << (4 * at);
+          const __m256i code = at == kTop ? _mm256_srli_epi32(v, 32 - B)
+                                          : _mm256_and_si256(v, _mm256_set1_epi32(kMask << (B * at)));
+          const int centre_at = at == kTop ? kCentre : kCentre << (B * at);
           const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(centre_at)));
           for (int r = 0; r < R; ++r) t[r][o] = _mm256_fmadd_ps(xs[r], q, t[r][o]);
         }
@@ -182,37 +191,51 @@ __attribute__((target("avx2,fma,f16c"))) void lane_pass(const BlockWeights& w, c
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int o = 0; o < P; ++o) out[r][O + o] = hsum(_mm256_mul_ps(acc[r][o], _mm256_set1_ps(kLaneUnit[O + o])));
+    for (int o = 0; o < P; ++o) {
+      const float unit = B == 4 ? kLaneUnit[O + o] : kWideLaneUnit[O + o];
+      out[r][O + o] = hsum(_mm256_mul_ps(acc[r][o], _mm256_set1_ps(unit)));
+    }
 }
 
-// All 8 outputs of a lane tile for rows [0, R), P at a time.
-template <int R, int P, int O = 0>
+// All outputs of a lane tile (8, or 4 for 8-bit codes) for rows [0, R), P at a time.
+template <int B, int R, int P, int O = 0>
 void lane_tile(const BlockWeights& w, const uint32_t* lanes, const float* const* x, const float* d,
                float (*out)[kLaneOutputs]) {
   if (w.block == 32) {
-    lane_pass<R, P, O, 16>(w, lanes, x, d, out);
+    lane_pass<B, R, P, O, 16>(w, lanes, x, d, out);
   } else {
-    lane_pass<R, P, O, 0>(w, lanes, x, d, out);
+    lane_pass<B, R, P, O, 0>(w, lanes, x, d, out);
   }
-  if constexpr (O + P < kLaneOutputs) lane_tile<R, P, O + P>(w, lanes, x, d, out);
+  if constexpr (O + P < 32 / B) lane_tile<B, R, P, O + P>(w, lanes, x, d, out);
+}
+
+template <int B>
+void lane_rows(const BlockWeights& w, int64_t rows, const uint32_t* lanes, const float* const* x, const float* d,
+               float (*out)[kLaneOutputs]) {
+  switch (rows) {
+    case 1: lane_tile<B, 1, 4>(w, lanes, x, d, out); break;
+    case 2: lane_tile<B, 2, 2>(w, lanes, x, d, out); break;
+    case 3: lane_tile<B, 3, 1>(w, lanes, x, d, out); break;
+    default: lane_tile<B, 4, 1>(w, lanes, x, d, out); break;
+  }
 }
 
 // The chunk's outputs [n0, n0 + count) for every row, lanes layout: 4 rows a pass over a tile,
 // one output at a time; 2 rows two outputs; one row four (what AVX2's 16 registers hold).
 void lanes_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, const float* d) {
+  const int64_t per = lane_outputs(w);
   float out[kRowTile][kLaneOutputs];
-  for (int64_t first = 0; first < count; first += kLaneOutputs) {
-    const uint32_t* lanes = reinterpret_cast<const uint32_t*>(w.high) + ((n0 + first) / kLaneOutputs) * w.k;
-    const int64_t outputs = count - first < kLaneOutputs ? count - first : kLaneOutputs;
+  for (int64_t first = 0; first < count; first += per) {
+    const uint32_t* lanes = reinterpret_cast<const uint32_t*>(w.high) + ((n0 + first) / per) * w.k;
+    const int64_t outputs = count - first < per ? count - first : per;
     for (int64_t r0 = 0; r0 < in.rows; r0 += kRowTile) {
       const float* x[kRowTile];
       const int64_t rows = in.rows - r0 < kRowTile ? in.rows - r0 : kRowTile;
       for (int64_t r = 0; r < rows; ++r) x[r] = in.paired + (r0 + r) * w.k;
-      switch (rows) {
-        case 1: lane_tile<1, 4>(w, lanes, x, d + first, out); break;
-        case 2: lane_tile<2, 2>(w, lanes, x, d + first, out); break;
-        case 3: lane_tile<3, 1>(w, lanes, x, d + first, out); break;
-        default: lane_tile<4, 1>(w, lanes, x, d + first, out); break;
+      if (w.wide) {
+        lane_rows<8>(w, rows, lanes, x, d + first, out);
+      } else {
+        lane_rows<4>(w, rows, lanes, x, d + first, out);
       }
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t o = 0; o < outputs; ++o) y[(r0 + r) * w.n + n0 + first + o] = out[r][o];
@@ -483,6 +506,38 @@ bool has_avx2() {
   return yes;
 }
 
+// e^x to about 1 ulp (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5 polynomial for
+// e^r, then 2^n from the exponent bits), x clamped to where e^x is a normal float32.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+__attribute__((target("avx2,fma,f16c"))) void gated_silu_avx2(const float* x, int64_t rows, int64_t k, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = x + r * 2 * k;
+    const float* u = g + k;
+    float* o = out + r * k;
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+      const __m256 gate = _mm256_loadu_ps(g + i);
+      const __m256 sigmoid = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gate, sigmoid), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < k; ++i) o[i] = g[i] * (1.0f / (1.0f + std::exp(-g[i]))) * u[i];
+  }
+}
+
 }  // namespace
 
 void prepare_input(const float* x, int64_t rows, int64_t k, int64_t block, float* paired, float* sums) {
@@ -500,6 +555,28 @@ void prepare_input(const float* x, int64_t rows, int64_t k, int64_t block, float
       sums[r * nb + b] = sum;
     }
   }
+}
+
+void rms_norm(const float* x, int64_t rows, int64_t k, const float* scale, float epsilon, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * k;
+    double squares = 0.0;
+    for (int64_t i = 0; i < k; ++i) squares += static_cast<double>(row[i]) * row[i];
+    const float inverse = 1.0f / std::sqrt(static_cast<float>(squares / static_cast<double>(k)) + epsilon);
+    for (int64_t i = 0; i < k; ++i) out[r * k + i] = row[i] * inverse * scale[i];
+  }
+}
+
+void gated_silu(const float* x, int64_t rows, int64_t k, float* out) {
+  if (has_avx2()) {
+    gated_silu_avx2(x, rows, k, out);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < k; ++i) {
+      const float g = x[r * 2 * k + i];
+      out[r * k + i] = g * (1.0f / (1.0f + std::exp(-g))) * x[r * 2 * k + k + i];
+    }
 }
 
 void quantise_input(const float* x, int64_t rows, int64_t k, int centre, int8_t* codes, float* steps,

@@ -22,6 +22,8 @@
 // 5. Output o's centred codes come out times 16^o and its sum is scaled back by 16^-o, a power of
 // two, so a lanes product rounds exactly as the pairs layout's does (to the bit, barring
 // subnormals): a `none` engine in lanes emits what a speculative one in pairs verifies.
+// Wide lanes do the same for 8-bit codes (two digits, 16 * high + low): 4 outputs a lane, output o
+// in bits [8o, 8o + 8), centred on 136 and scaled by 256^o.
 //
 // Int8 activations (`--activations int8`; blocks of 32, pairs layout): x is first quantised per
 // block of 32 inputs, q = round(x * 127 / max|x|) with step e = max|x| / 127 (Q8_0's rule, the
@@ -49,6 +51,7 @@ struct BlockWeights {
   const void* offset = nullptr;    // m, the same layout, or nullptr when every m is zero
   bool half = false;               // d and m are float16 (else float32)
   bool lanes = false;              // `high` holds lanes [ceil(N / 8), K] of 8 outputs' codes (one digit)
+  bool wide = false;               // with lanes: 8-bit codes (two digits' worth), [ceil(N / 4), K], 4 a lane
 };
 
 constexpr int64_t kLaneOutputs = 8;  // outputs whose codes share a 32-bit lane
@@ -75,6 +78,12 @@ void prepare_input(const float* x, int64_t rows, int64_t k, int64_t block, float
 // K a multiple of 32; `centre`: 8 for one digit, 136 for two.
 void quantise_input(const float* x, int64_t rows, int64_t k, int centre, int8_t* codes, float* steps,
                     int32_t* centred, float* sums);
+
+// What a product may compute on its input first, in place of the graph's own nodes
+// (exporters/native_fusion.py): x' [rows, K] = x / sqrt(mean(x^2) + epsilon) * scale per row (an
+// RMS norm, x [rows, K]), or x' = silu(g) * u with g, u the halves of x [rows, 2K] (a SwiGLU).
+void rms_norm(const float* x, int64_t rows, int64_t k, const float* scale, float epsilon, float* out);
+void gated_silu(const float* x, int64_t rows, int64_t k, float* out);
 
 // y[r, n] for n in [n_begin, n_end), every row r. y is [rows, N]. With lanes, n_begin is a multiple of 8.
 void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end);

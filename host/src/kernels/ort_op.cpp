@@ -3,9 +3,14 @@
 // SessionOptions.register_custom_ops_library), which calls RegisterCustomOps below.
 //
 //   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], d [ceil(N/16), K/block, 16],
-//               m (d's shape, optional), low uint8 [N, K/block, block/2] (optional))
-//     -> y [..., N]                                   attributes: K, N, block_size, activation_bits
-// (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit)
+//               m (d's shape, optional), low uint8 [N, K/block, block/2] (optional),
+//               norm float [K] (optional), addend (y's shape, optional))
+//     -> y [..., N]           attributes: K, N, block_size, activation_bits, glu, norm_epsilon
+// With norm, x is RMS-normalised first (x / sqrt(mean(x^2) + norm_epsilon) * norm); with glu = 1,
+// x is [..., 2K] and the product takes silu(x[..., :K]) * x[..., K:]; with addend, y = x' @ W^T +
+// addend, the Add it replaces, to the bit. exporters/native_fusion.py fuses the graph's nodes so.
+// (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit;
+// with lane_bits = 8, wide lanes [ceil(N/4), K, 4] of 8-bit codes, 4 outputs a lane)
 // activation_bits: 32 (the default) multiplies x as it is; 8 quantises x to int8 per block of 32
 // first (block_size 32, pairs layout only; block_matmul.h).
 //
@@ -151,6 +156,9 @@ OrtStatus* created(K* kernel, OrtStatus* status, void** out) {
 struct Kernel {
   int64_t k = 0, n = 0, block = 0;
   bool int8 = false;  // activation_bits 8
+  bool glu = false;   // x holds a SwiGLU's gate and up halves
+  bool wide = false;  // lane_bits 8: the codes are wide lanes
+  float epsilon = 0.0f;  // the RMS norm's, when a norm input is given
 };
 
 // One parallel call: outputs split into tiles that ONNX Runtime's intra-op threads share.
@@ -159,29 +167,43 @@ struct Job {
   const sg::kernels::PreparedInput* input;
   float* y;
   int64_t tile;
+  const float* addend;  // y's shape, or nullptr
 };
 
 void run_tile(void* data, size_t index) {
   const Job& job = *static_cast<const Job*>(data);
+  const int64_t n = job.weights->n;
   const int64_t begin = static_cast<int64_t>(index) * job.tile;
-  const int64_t end = begin + job.tile < job.weights->n ? begin + job.tile : job.weights->n;
+  const int64_t end = begin + job.tile < n ? begin + job.tile : n;
   sg::kernels::block_matmul(*job.weights, *job.input, job.y, begin, end);
+  if (job.addend) {
+    for (int64_t r = 0; r < job.input->rows; ++r)
+      for (int64_t i = r * n + begin; i < r * n + end; ++i) job.y[i] = job.addend[i] + job.y[i];
+  }
 }
 
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   const Kernel& kernel = *static_cast<const Kernel*>(kernel_ptr);
-  const OrtValue* in[5] = {};
-  for (size_t i = 0; i < 5; ++i) SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
-  std::vector<int64_t> x_dims, high_dims, scale_dims, offset_dims;
+  const OrtValue* in[7] = {};
+  for (size_t i = 0; i < 7; ++i) SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
+  std::vector<int64_t> x_dims, high_dims, scale_dims, offset_dims, norm_dims, addend_dims;
   int scale_type = 0, offset_type = 0;
   SG_TRY(shape_of(in[0], x_dims));
   SG_TRY(shape_of(in[1], high_dims));
   SG_TRY(shape_of(in[2], scale_dims, &scale_type));
   if (in[3]) SG_TRY(shape_of(in[3], offset_dims, &offset_type));
   const int64_t nb = kernel.k / kernel.block, half = kernel.block / 2;
-  if (x_dims.empty() || x_dims.back() != kernel.k) return fail("input's last dimension is not K");
-  const int64_t lane_tiles = (kernel.n + sg::kernels::kLaneOutputs - 1) / sg::kernels::kLaneOutputs;
+  if (x_dims.empty() || x_dims.back() != (kernel.glu ? 2 * kernel.k : kernel.k)) {
+    return fail(kernel.glu ? "input's last dimension is not 2K (glu)" : "input's last dimension is not K");
+  }
+  if (in[5]) {
+    SG_TRY(shape_of(in[5], norm_dims));
+    if (kernel.glu || norm_dims != std::vector<int64_t>{kernel.k}) return fail("norm is not [K], or comes with glu");
+  }
+  const int64_t per_lane = kernel.wide ? sg::kernels::kLaneOutputs / 2 : sg::kernels::kLaneOutputs;
+  const int64_t lane_tiles = (kernel.n + per_lane - 1) / per_lane;
   const bool lanes = high_dims == std::vector<int64_t>{lane_tiles, kernel.k, 4};
+  if (kernel.wide && !lanes) return fail("lane_bits 8: the codes are not wide lanes [ceil(N/4), K, 4]");
   if (!lanes && (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half)) {
     return fail("packed codes are neither [N, K/block, block/2] nor lanes [ceil(N/8), K, 4]");
   }
@@ -209,10 +231,17 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   if (in[3]) SG_TRY(data_of(in[3], &w.offset));
   w.half = scale_type == kHalf;
   w.lanes = lanes;
+  w.wide = kernel.wide;
   if (in[4]) SG_TRY(data_of(in[4], &w.low));
 
   std::vector<int64_t> y_dims(x_dims);
   y_dims.back() = kernel.n;
+  const float* addend = nullptr;
+  if (in[6]) {
+    SG_TRY(shape_of(in[6], addend_dims));
+    if (addend_dims != y_dims) return fail("addend does not have the output's shape");
+    SG_TRY(data_of(in[6], &addend));
+  }
   OrtValue* out = nullptr;
   SG_TRY(g_api.KernelContext_GetOutput(context, 0, y_dims.data(), y_dims.size(), &out));
   float* y = nullptr;
@@ -221,7 +250,18 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   y = static_cast<float*>(p);
   if (rows == 0) return nullptr;
 
-  thread_local std::vector<float> paired, sums, steps;  // a session may run on several threads at once
+  thread_local std::vector<float> before, paired, sums, steps;  // a session may run on several threads at once
+  if (in[5] || kernel.glu) {  // the fused norm or SwiGLU: x' [rows, K]
+    before.resize(static_cast<size_t>(rows * kernel.k));
+    if (kernel.glu) {
+      sg::kernels::gated_silu(x, rows, kernel.k, before.data());
+    } else {
+      const float* scale = nullptr;
+      SG_TRY(data_of(in[5], &scale));
+      sg::kernels::rms_norm(x, rows, kernel.k, scale, kernel.epsilon, before.data());
+    }
+    x = before.data();
+  }
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<int32_t> centred;
   sums.resize(static_cast<size_t>(rows * nb));
@@ -241,7 +281,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
     sg::kernels::prepare_input(x, rows, kernel.k, kernel.block, paired.data(), sums.data());
     prepared.paired = paired.data();
   }
-  Job job{&w, &prepared, y, 16};
+  Job job{&w, &prepared, y, 16, addend};
   const size_t tiles = static_cast<size_t>((kernel.n + job.tile - 1) / job.tile);
   return g_api.KernelContext_ParallelFor(context, run_tile, tiles, tiles < 8 ? tiles : 8, &job);
 }
@@ -263,6 +303,18 @@ OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void*
     }
     kernel->int8 = bits == 8;
     if (bits != 8 && bits != 32) status = fail("activation_bits must be 32 or 8");
+    int64_t lane_bits = 4;
+    if (OrtStatus* absent = g_api.KernelInfoGetAttribute_int64(info, "lane_bits", &lane_bits)) g_api.ReleaseStatus(absent);
+    kernel->wide = lane_bits == 8;
+    if (lane_bits != 4 && lane_bits != 8) status = fail("lane_bits must be 4 or 8");
+    int64_t glu = 0;
+    if (OrtStatus* absent = g_api.KernelInfoGetAttribute_int64(info, "glu", &glu)) g_api.ReleaseStatus(absent);
+    kernel->glu = glu == 1;
+    if (glu != 0 && glu != 1) status = fail("glu must be 0 or 1");
+    if (OrtStatus* absent = g_api.KernelInfoGetAttribute_float(info, "norm_epsilon", &kernel->epsilon)) {
+      g_api.ReleaseStatus(absent);
+      kernel->epsilon = 0.0f;
+    }
     if (kernel->int8 && kernel->block != sg::kernels::kInt8Block) status = fail("int8 activations take block_size 32");
   }
   return created(kernel, status, out);
@@ -270,8 +322,8 @@ OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void*
 
 const char* name(const CustomOp*) { return "BlockMatMul"; }
 const char* provider(const CustomOp*) { return "CPUExecutionProvider"; }
-int input_type(const CustomOp*, size_t i) { return i == 1 || i == 4 ? kUint8 : i == 0 ? kFloat : kAny; }
-size_t input_count(const CustomOp*) { return 5; }
+int input_type(const CustomOp*, size_t i) { return i == 1 || i == 4 ? kUint8 : i == 0 || i >= 5 ? kFloat : kAny; }
+size_t input_count(const CustomOp*) { return 7; }
 int output_type(const CustomOp*, size_t) { return kFloat; }
 size_t output_count(const CustomOp*) { return 1; }
 int input_kind(const CustomOp*, size_t i) { return i >= 3 ? kOptional : kRequired; }
