@@ -34,6 +34,25 @@ def _pack(digit: np.ndarray, block: int) -> np.ndarray:
     return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
 
 
+def _pairs(codes: np.ndarray, block: int, digits: int, offset: bool) -> tuple[list, list[str]]:  # type: ignore[type-arg]
+    """The pairs layout of codes [N, K] (one digit, or two: high and low): initializers, inputs."""
+    if digits == 1:
+        return [numpy_helper.from_array(_pack(codes, block), "q")], ["x", "q", "d", "m" if offset else ""]
+    high, low = _pack(codes >> 4, block), _pack(codes & 15, block)
+    inits = [numpy_helper.from_array(high, "q"), numpy_helper.from_array(low, "lo")]
+    return inits, ["x", "q", "d", "m" if offset else "", "lo"]
+
+
+def _with_scales(inits: list, inputs: list[str], d: np.ndarray, m: np.ndarray | None, dtype) -> list[str]:  # type: ignore[no-untyped-def, type-arg]
+    """Add d and m [K/block, N] in the kernel's tiles to `inits`; the inputs without trailing blanks."""
+    inits.append(numpy_helper.from_array(native_scale_tiles(d.T).astype(dtype), "d"))
+    if m is not None:
+        inits.append(numpy_helper.from_array(native_scale_tiles(m.T).astype(dtype), "m"))
+    while inputs[-1] == "":
+        inputs = inputs[:-1]
+    return inputs
+
+
 def _session(node, inits, k: int, n: int) -> ort.InferenceSession:
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
@@ -75,18 +94,9 @@ def test_block_matmul_equals_the_dequantised_product(digits, lanes, block, offse
     elif lanes:
         inits = [numpy_helper.from_array(native_lanes(_pack(codes, block)), "q")]
         inputs = ["x", "q", "d", "m" if offset else ""]
-    elif digits == 1:
-        inits = [numpy_helper.from_array(_pack(codes, block), "q")]
-        inputs = ["x", "q", "d", "m" if offset else ""]
     else:
-        high, low = _pack(codes >> 4, block), _pack(codes & 15, block)
-        inits = [numpy_helper.from_array(high, "q"), numpy_helper.from_array(low, "lo")]
-        inputs = ["x", "q", "d", "m" if offset else "", "lo"]
-    inits.append(numpy_helper.from_array(native_scale_tiles(d.T).astype(dtype), "d"))
-    if m is not None:
-        inits.append(numpy_helper.from_array(native_scale_tiles(m.T).astype(dtype), "m"))
-    while inputs[-1] == "":
-        inputs.pop()
+        inits, inputs = _pairs(codes, block, digits, offset)
+    inputs = _with_scales(inits, inputs, d, m, dtype)
     node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block, **extra)
     session = _session(node, inits, k, n)
     pairs = None
@@ -142,20 +152,8 @@ def test_int8_activations_equal_the_quantised_input_times_the_dequantised_weight
     weight = np.repeat(d.T.astype(np.float64), 32, 1) * codes
     if m is not None:
         weight += np.repeat(m.T.astype(np.float64), 32, 1)
-    if digits == 1:
-        inits = [numpy_helper.from_array(_pack(codes, 32), "q")]
-        inputs = ["x", "q", "d", "m" if offset else ""]
-    else:
-        inits = [
-            numpy_helper.from_array(_pack(codes >> 4, 32), "q"),
-            numpy_helper.from_array(_pack(codes & 15, 32), "lo"),
-        ]
-        inputs = ["x", "q", "d", "m" if offset else "", "lo"]
-    inits.append(numpy_helper.from_array(native_scale_tiles(d.T).astype(dtype), "d"))
-    if m is not None:
-        inits.append(numpy_helper.from_array(native_scale_tiles(m.T).astype(dtype), "m"))
-    while inputs[-1] == "":
-        inputs.pop()
+    inits, inputs = _pairs(codes, 32, digits, offset)
+    inputs = _with_scales(inits, inputs, d, m, dtype)
     node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=32,
                             activation_bits=8)  # fmt: skip
     session = _session(node, inits, k, n)
@@ -190,9 +188,9 @@ def test_block_matmul_takes_in_a_norm_a_swiglu_and_a_residual(bits):
     plain = _session(helper.make_node("BlockMatMul", ["x", "q", "d"], ["y"], domain=NATIVE_DOMAIN, K=k, N=n,
                                       block_size=32, **extra), inits[:2], k, n)  # fmt: skip
 
-    def fused(inputs: list[str], **attrs: object) -> ort.InferenceSession:
-        node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=32,
-                                **extra, **attrs)  # fmt: skip
+    def fused(inputs: list[str], **attrs: float) -> ort.InferenceSession:
+        node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=32, **extra)
+        node.attribute.extend(helper.make_attribute(key, value) for key, value in attrs.items())
         names = ["x", "addend"] if "addend" in inputs else ["x"]
         graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(v, TensorProto.FLOAT, None) for v in names],
                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)  # fmt: skip
