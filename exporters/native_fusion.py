@@ -42,6 +42,7 @@ def fuse_into_block_matmuls(path: Path) -> dict[str, int]:
     outputs = {o.name for o in graph.output}
     constants = {t.name: t for t in graph.initializer}
     gone: set[int] = set()
+    moved: dict[int, onnx.NodeProto] = {}  # an Add's place -> the product that now ends there
 
     def only_reader(name: str) -> onnx.NodeProto | None:
         found = readers.get(name, [])
@@ -73,9 +74,10 @@ def fuse_into_block_matmuls(path: Path) -> dict[str, int]:
             if other != node.output[0] and other not in constants:  # the residual stream, y's shape
                 _set_input(node, 6, other)
                 node.output[0] = add.output[0]
-                gone.add(id(add))
+                moved[id(add)] = node  # where `other` is surely computed: the nodes stay in order
+                gone.add(id(node))
                 counts["residuals"] += 1
-    kept = [n for n in graph.node if id(n) not in gone]
+    kept = [moved.get(id(n), n) for n in graph.node if id(n) in moved or id(n) not in gone]
     del graph.node[:]
     graph.node.extend(kept)
     drop_dead(graph)

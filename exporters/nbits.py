@@ -140,7 +140,8 @@ def run_weights_as_blocks(
             runs = digits_for(node.input[0])
             if runs is not None and len(runs) == 1:
                 run = runs[0]
-                wide = lanes and native and not int8 and len(run.digits) == 2 and node.input[0] in wide_gathers
+                quantised = int8 and run.block == NATIVE_INT8_BLOCK  # its product reads the digits
+                wide = lanes and native and not quantised and len(run.digits) == 2 and node.input[0] in wide_gathers
                 new_nodes += _gather_nodes(node, run, _native_lanes(graph, run) if wide and _native_fits(run) else None)
                 report.gathers += 1
                 continue
