@@ -74,10 +74,12 @@ def run_weights_as_blocks(
     tables: str | None = None,
     native: bool = False,
     lanes: bool = False,
+    wide: bool = False,
 ) -> NBitsReport:
     """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None.
     `native`: products whose blocks the native kernel takes become `specgraph.BlockMatMul` nodes;
-    `lanes`: those of one digit, but for a table a Gather also reads, take the lanes layout.
+    `lanes`: those of one digit, but for a table a Gather also reads, take the lanes layout;
+    `wide`: those of two digits take wide lanes (a table the tokens' Gather reads too: it reads them).
     An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), or when
     its table's name starts with `tables` (a drafter's, whose ids are computed in the graph)."""
     model = onnx.load(str(path))
@@ -121,12 +123,16 @@ def run_weights_as_blocks(
                 if native and all(_native_fits(r) for r in runs):
                     quantised = int8 and all(r.block == NATIVE_INT8_BLOCK for r in runs)
                     table = node.input[1]
-                    wide = len(runs) == 1 and len(runs[0].digits) == 2 and table in wide_gathers
-                    laned = lanes and not quantised and (table not in gathered or wide)
+                    wide_table = len(runs) == 1 and len(runs[0].digits) == 2 and table in wide_gathers
+                    laned = [
+                        not quantised
+                        and (lanes and table not in gathered if len(r.digits) == 1 else wide and (table not in gathered or wide_table))
+                        for r in runs
+                    ]  # fmt: skip
                     new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised)
                     report.native += 1
                     report.native_int8 += quantised
-                    report.lanes += sum(laned for r in runs)
+                    report.lanes += sum(laned)
                 else:
                     new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
                 report.matmuls += 1
@@ -141,8 +147,12 @@ def run_weights_as_blocks(
             if runs is not None and len(runs) == 1:
                 run = runs[0]
                 quantised = int8 and run.block == NATIVE_INT8_BLOCK  # its product reads the digits
-                wide = lanes and native and not quantised and len(run.digits) == 2 and node.input[0] in wide_gathers
-                new_nodes += _gather_nodes(node, run, _native_lanes(graph, run) if wide and _native_fits(run) else None)
+                laned_table = (
+                    wide and native and not quantised and len(run.digits) == 2 and node.input[0] in wide_gathers
+                )
+                new_nodes += _gather_nodes(
+                    node, run, _native_lanes(graph, run) if laned_table and _native_fits(run) else None
+                )
                 report.gathers += 1
                 continue
         new_nodes.append(node)
@@ -260,11 +270,12 @@ def _native_fits(run: _Digits) -> bool:
 
 
 def _native_nodes(
-    name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto, lanes: bool, int8: bool = False
+    name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto, lanes: list[bool], int8: bool = False
 ) -> list[onnx.NodeProto]:
     """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low
     digit or ""), d and m the format's own scale and offset (the low digit's for two digits). With
-    `lanes`, a one-digit run's codes go in the kernel's lanes layout (`native_lanes`); `int8`: x is
+    `lanes[i]`, run i's codes go in the kernel's lanes layout (`native_lanes`; wide lanes for two
+    digits); `int8`: x is
     quantised to int8 per block of 32 first (`activation_bits=8`)."""
     nodes: list[onnx.NodeProto] = []
     outs = []
@@ -272,8 +283,8 @@ def _native_nodes(
         out = f"{y}.r{i}" if len(runs) > 1 else y
         high, low = run.digits[0][0], run.digits[1][0] if len(run.digits) == 2 else ""
         d, m = _native_scales(graph, high.rsplit(".", 1)[0], run)
-        wide = lanes and bool(low)
-        if lanes:  # one digit: lanes of 8 outputs; two: wide lanes of 4 (8-bit codes)
+        wide = lanes[i] and bool(low)
+        if lanes[i]:  # one digit: lanes of 8 outputs; two: wide lanes of 4 (8-bit codes)
             high, low = _native_lanes(graph, run), ""
         inputs = [x, high, d, m, low]
         while inputs[-1] == "":
