@@ -46,6 +46,7 @@ class NBitsReport:
     native: int = 0  # of the matmuls, those run by specgraph.BlockMatMul
     native_int8: int = 0  # of those, the ones that quantise their input to int8 (activation_bits=8)
     lanes: int = 0  # of their runs, those whose codes take the kernel's lanes layout
+    one_row: int = 0  # of their runs, those in pairs that also hold lanes for one-row calls
     gathers: int = 0
     formats: dict[str, int] = field(default_factory=dict)  # weights per stored format
     float_bytes: int = 0  # fp32 bytes of the weights replaced
@@ -75,11 +76,13 @@ def run_weights_as_blocks(
     native: bool = False,
     lanes: bool = False,
     wide: bool = False,
+    one_row: bool = False,
 ) -> NBitsReport:
     """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None.
     `native`: products whose blocks the native kernel takes become `specgraph.BlockMatMul` nodes;
     `lanes`: those of one digit, but for a table a Gather also reads, take the lanes layout;
-    `wide`: those of two digits take wide lanes (a table the tokens' Gather reads too: it reads them).
+    `wide`: those of two digits take wide lanes (a table the tokens' Gather reads too: it reads them);
+    `one_row`: those of one digit left in pairs also get lanes, which calls of one row read.
     An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), or when
     its table's name starts with `tables` (a drafter's, whose ids are computed in the graph)."""
     model = onnx.load(str(path))
@@ -129,10 +132,12 @@ def run_weights_as_blocks(
                         and (lanes and table not in gathered if len(r.digits) == 1 else wide and (table not in gathered or wide_table))
                         for r in runs
                     ]  # fmt: skip
-                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised)
+                    also = [one_row and not quantised and not laned[i] and len(r.digits) == 1 for i, r in enumerate(runs)]
+                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised, also)
                     report.native += 1
                     report.native_int8 += quantised
                     report.lanes += sum(laned)
+                    report.one_row += sum(also)
                 else:
                     new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
                 report.matmuls += 1
@@ -270,13 +275,15 @@ def _native_fits(run: _Digits) -> bool:
 
 
 def _native_nodes(
-    name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto, lanes: list[bool], int8: bool = False
+    name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto, lanes: list[bool], int8: bool = False,
+    one_row: list[bool] | None = None,
 ) -> list[onnx.NodeProto]:
     """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low
     digit or ""), d and m the format's own scale and offset (the low digit's for two digits). With
     `lanes[i]`, run i's codes go in the kernel's lanes layout (`native_lanes`; wide lanes for two
     digits); `int8`: x is
-    quantised to int8 per block of 32 first (`activation_bits=8`)."""
+    quantised to int8 per block of 32 first (`activation_bits=8`); `one_row[i]`: run i keeps pairs
+    and takes its lanes as well (input 7), for calls of one row."""
     nodes: list[onnx.NodeProto] = []
     outs = []
     for i, run in enumerate(runs):
@@ -286,7 +293,7 @@ def _native_nodes(
         wide = lanes[i] and bool(low)
         if lanes[i]:  # one digit: lanes of 8 outputs; two: wide lanes of 4 (8-bit codes)
             high, low = _native_lanes(graph, run), ""
-        inputs = [x, high, d, m, low]
+        inputs = [x, high, d, m, low, "", "", _native_lanes(graph, run) if one_row and one_row[i] else ""]
         while inputs[-1] == "":
             inputs.pop()
         node = helper.make_node("BlockMatMul", inputs, [out], name=f"{name}.r{i}", domain=NATIVE_DOMAIN,

@@ -104,8 +104,11 @@ def store_weights(
     native kernels the fused attention layers run specgraph's own `CachedAttention` too, the products
     take in the norms, SwiGLUs and residual adds around them (`exporters/native_fusion.py`), and
     `one_token` (an engine whose decode calls take one token: `none`) stores one-digit codes in the
-    kernel's lanes layout, faster for one row and slower for several (docs/benchmarks.md); two-digit
-    codes take wide lanes in every native engine (faster at 1 and 4 rows alike)."""
+    kernel's lanes layout, faster for one row and slower for several (docs/benchmarks.md), and every
+    other engine keeps them in pairs for its verify calls and stores them in lanes too for its
+    one-token calls (the same arithmetic to the bit, twice the one-digit bytes on disk and in
+    memory, each call reading one copy); two-digit codes take wide lanes in every native engine
+    (faster at 1 and 4 rows alike)."""
     from specgraph import blocks
     from specgraph.exporters.attention import run_attention_natively
     from specgraph.exporters.native_fusion import fuse_into_block_matmuls
@@ -134,7 +137,7 @@ def store_weights(
     say("store weights as blocks")
     native = kernels == "native"
     report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations], native=native, lanes=native and one_token,
-                                   wide=native)  # fmt: skip
+                                   wide=native, one_row=native and not one_token)  # fmt: skip
     if native and activations == "int8":
         section["native_int8"] = report.native_int8  # the others (blocks other than 32) multiply in float32
     attention = run_attention_natively(onnx_path) if kernels == "native" else 0  # the library is loaded anyway
@@ -150,6 +153,7 @@ def store_weights(
         kernels=kernels,
         native_matmuls=report.native,
         native_lanes=report.lanes,
+        native_one_row_lanes=report.one_row,
         native_attention=attention,
     )
     if fused:

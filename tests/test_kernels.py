@@ -126,6 +126,36 @@ def test_block_matmul_equals_the_dequantised_product(digits, lanes, block, offse
     assert np.array_equal(alone, session.run(None, {"x": x})[0])
 
 
+@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_one_row_lanes_round_as_pairs_at_every_row_count(block, dtype):
+    """Input 7 (`one_row`): the same one-digit codes again in lanes, which a call of one row reads
+    instead of the pairs: every call, one row or many, equals the pairs-only product to the bit.
+    With two digits the extra lanes are refused in one line."""
+    rng = np.random.default_rng(block)
+    n, k = 203, 4 * block
+    codes = rng.integers(0, 16, (n, k))
+    d = (rng.random((k // block, n)) * 0.02 + 0.001).astype(dtype)
+    m = (-8 * d * rng.uniform(0.8, 1.2, d.shape)).astype(dtype)
+    inits, inputs = _pairs(codes, block, 1, True)
+    inputs = _with_scales(inits, inputs, d, m, dtype)
+    plain = _session(helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block),
+                     inits, k, n)  # fmt: skip
+    lanes = [*inits, numpy_helper.from_array(native_lanes(_pack(codes, block)), "ql")]
+    both = helper.make_node("BlockMatMul", [*inputs, "", "", "", "ql"], ["y"], domain=NATIVE_DOMAIN, K=k, N=n,
+                            block_size=block)  # fmt: skip
+    session = _session(both, lanes, k, n)
+    for shape in [(1, k), (1, 1, k), (2, k), (3, k), (5, k), (2, 3, k), (1, 0, k)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        assert np.array_equal(session.run(None, {"x": x})[0], plain.run(None, {"x": x})[0])
+    two, names = _pairs(codes, block, 2, True)
+    names = _with_scales(two, names, d, m, dtype)
+    bad = helper.make_node("BlockMatMul", [*names, "", "", "ql"], ["y"], domain=NATIVE_DOMAIN, K=k, N=n,
+                           block_size=block)  # fmt: skip
+    with pytest.raises(Exception, match="one-row lanes go with one digit in pairs"):
+        _session(bad, [*two, lanes[-1]], k, n).run(None, {"x": np.ones((1, k), np.float32)})
+
+
 def _int8_reference(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """x [rows, K] quantised per block of 32 as the kernel does (q = round(x * 127 / max|x|) in
     float32, step max|x| / 127), times the dequantised weight [N, K], in float64."""
@@ -453,8 +483,8 @@ def test_native_engines_match_hf_generate_on_the_gguf(matrices, embedding, metho
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, weights):
     """int4 and int8 weights made here, native kernels: lookup and Medusa emit what none emits,
-    greedy and sampled. At int4 none's codes take the lanes layout and theirs the pairs layout; at
-    int8 (two digits) every engine's take wide lanes."""
+    greedy and sampled. At int4 none's codes take the lanes layout and theirs the pairs layout, plus
+    lanes that their one-token calls read; at int8 (two digits) every engine's take wide lanes."""
     folder = tiny_folder("llama")
     engines = {}
     for method in ("none", "lookup", "medusa"):
@@ -465,10 +495,12 @@ def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, we
     lanes = {method: engine.manifest["weights"]["native_lanes"] for method, engine in engines.items()}
     matmuls = {method: engine.manifest["weights"]["matmuls"] for method, engine in engines.items()}
     assert lanes["none"] == matmuls["none"] > 0
-    if weights == "int4":
+    one_row = {method: engine.manifest["weights"]["native_one_row_lanes"] for method, engine in engines.items()}
+    if weights == "int4":  # speculative engines keep pairs for verify calls, and lanes for one-token calls
         assert lanes["lookup"] == lanes["medusa"] == 0
+        assert one_row["lookup"] == matmuls["lookup"] and one_row["medusa"] == matmuls["medusa"] and one_row["none"] == 0
     else:
-        assert lanes == matmuls
+        assert lanes == matmuls and not any(one_row.values())
     for prompt in PROMPTS:
         want = engines["none"].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids
         sampled = engines["none"].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)

@@ -4,13 +4,17 @@
 //
 //   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], d [ceil(N/16), K/block, 16],
 //               m (d's shape, optional), low uint8 [N, K/block, block/2] (optional),
-//               norm float [K] (optional), addend (y's shape, optional))
+//               norm float [K] (optional), addend (y's shape, optional),
+//               one_row uint8 [ceil(N/8), K, 4] (optional))
 //     -> y [..., N]           attributes: K, N, block_size, activation_bits, glu, norm_epsilon
 // With norm, x is RMS-normalised first (x / sqrt(mean(x^2) + norm_epsilon) * norm); with glu = 1,
 // x is [..., 2K] and the product takes silu(x[..., :K]) * x[..., K:]; with addend, y = x' @ W^T +
 // addend, the Add it replaces, to the bit. exporters/native_fusion.py fuses the graph's nodes so.
 // (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit;
 // with lane_bits = 8, wide lanes [ceil(N/4), K, 4] of 8-bit codes, 4 outputs a lane)
+// one_row: high's one-digit codes again, in lanes, which a call of one row reads instead (lanes are
+// faster for one row, pairs for several, and both round alike, to the bit: a speculative engine's
+// one-token rounds then cost what a `none` engine's steps do; float32 activations only).
 // activation_bits: 32 (the default) multiplies x as it is; 8 quantises x to int8 per block of 32
 // first (block_size 32, pairs layout only; block_matmul.h).
 //
@@ -184,9 +188,9 @@ void run_tile(void* data, size_t index) {
 
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   const Kernel& kernel = *static_cast<const Kernel*>(kernel_ptr);
-  const OrtValue* in[7] = {};
-  for (size_t i = 0; i < 7; ++i) SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
-  std::vector<int64_t> x_dims, high_dims, scale_dims, offset_dims, norm_dims, addend_dims;
+  const OrtValue* in[8] = {};
+  for (size_t i = 0; i < 8; ++i) SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
+  std::vector<int64_t> x_dims, high_dims, scale_dims, offset_dims, norm_dims, addend_dims, one_row_dims;
   int scale_type = 0, offset_type = 0;
   SG_TRY(shape_of(in[0], x_dims));
   SG_TRY(shape_of(in[1], high_dims));
@@ -209,6 +213,14 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   }
   if (lanes && in[4]) return fail("lanes hold one digit: a low digit cannot go with them");
   if (lanes && kernel.int8) return fail("int8 activations take the pairs layout, not lanes");
+  if (in[7]) {  // the same one-digit codes again in lanes, for calls of one row (a speculative engine's)
+    SG_TRY(shape_of(in[7], one_row_dims));
+    if (lanes || in[4] || kernel.int8 || kernel.wide ||
+        one_row_dims != std::vector<int64_t>{(kernel.n + sg::kernels::kLaneOutputs - 1) / sg::kernels::kLaneOutputs,
+                                             kernel.k, 4}) {
+      return fail("one-row lanes go with one digit in pairs at float32 activations, as [ceil(N/8), K, 4]");
+    }
+  }
   const int64_t tile = sg::kernels::kScaleTile;
   const std::vector<int64_t> scales_shape{(kernel.n + tile - 1) / tile, nb, tile};
   if (scale_dims != scales_shape || (in[3] && offset_dims != scales_shape)) {
@@ -219,6 +231,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   }
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < x_dims.size(); ++i) rows *= x_dims[i];
+  const bool one_row = in[7] && rows == 1;  // lanes round as pairs do, to the bit: any call agrees
 
   sg::kernels::BlockWeights w;
   w.n = kernel.n;
@@ -226,11 +239,11 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   w.block = kernel.block;
   const float* x = nullptr;
   SG_TRY(data_of(in[0], &x));
-  SG_TRY(data_of(in[1], &w.high));
+  SG_TRY(data_of(in[one_row ? 7 : 1], &w.high));
   SG_TRY(data_of(in[2], &w.scale));
   if (in[3]) SG_TRY(data_of(in[3], &w.offset));
   w.half = scale_type == kHalf;
-  w.lanes = lanes;
+  w.lanes = lanes || one_row;
   w.wide = kernel.wide;
   if (in[4]) SG_TRY(data_of(in[4], &w.low));
 
@@ -322,8 +335,10 @@ OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void*
 
 const char* name(const CustomOp*) { return "BlockMatMul"; }
 const char* provider(const CustomOp*) { return "CPUExecutionProvider"; }
-int input_type(const CustomOp*, size_t i) { return i == 1 || i == 4 ? kUint8 : i == 0 || i >= 5 ? kFloat : kAny; }
-size_t input_count(const CustomOp*) { return 7; }
+int input_type(const CustomOp*, size_t i) {
+  return i == 1 || i == 4 || i == 7 ? kUint8 : i == 0 || i >= 5 ? kFloat : kAny;
+}
+size_t input_count(const CustomOp*) { return 8; }
 int output_type(const CustomOp*, size_t) { return kFloat; }
 size_t output_count(const CustomOp*) { return 1; }
 int input_kind(const CustomOp*, size_t i) { return i >= 3 ? kOptional : kRequired; }
