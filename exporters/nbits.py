@@ -47,6 +47,7 @@ class NBitsReport:
     native_int8: int = 0  # of those, the ones that quantise their input to int8 (activation_bits=8)
     lanes: int = 0  # of their runs, those whose codes take the kernel's lanes layout
     one_row: int = 0  # of their runs, those in pairs that also hold lanes for one-row calls
+    one_row_bytes: int = 0  # bytes of those lanes (stored beside the pairs; a call streams one of the two)
     gathers: int = 0
     formats: dict[str, int] = field(default_factory=dict)  # weights per stored format
     float_bytes: int = 0  # fp32 bytes of the weights replaced
@@ -165,6 +166,8 @@ def run_weights_as_blocks(
     graph.node.extend(n for n in new_nodes if n.name not in dropped or not n.name)
     drop_dead(graph)
     report.stored_bytes = _stored_bytes(graph, [d for runs in done.values() for d in runs or []])
+    one_row_lanes = {n.input[7] for n in graph.node if n.op_type == "BlockMatMul" and len(n.input) > 7 and n.input[7]}
+    report.one_row_bytes = sum(int(np.prod(t.dims)) for t in graph.initializer if t.name in one_row_lanes)  # uint8
     for domain in ("com.microsoft", NATIVE_DOMAIN) if report.native else ("com.microsoft",):
         if domain not in {o.domain for o in model.opset_import}:
             model.opset_import.append(helper.make_opsetid(domain, 1))

@@ -264,9 +264,11 @@ def context_scaling(engine: Engine, contexts: tuple[int, ...] = (128, 1024), rep
 def _weights(engine: Engine, engine_tps: float, bandwidth_gb_s: float | None) -> dict[str, Any]:
     """The manifest's `weights` section (what is stored, in which formats), the bytes a token
     streams (the weight file: every matrix is read once a step; an untied embedding table, read
-    one row a token, is over-counted), and with a measured bandwidth the floor and the ratio to it."""
+    one row a token, is over-counted; the lanes a speculative engine keeps beside its pairs for
+    one-row calls are not counted, a call reads one of the two), and with a measured bandwidth the
+    floor and the ratio to it."""
     section: dict[str, Any] = dict(engine.manifest.get("weights") or {})
-    section["bytes_per_token"] = engine.weight_bytes
+    section["bytes_per_token"] = engine.weight_bytes - int(section.get("native_one_row_bytes", 0))
     if bandwidth_gb_s is not None:
         floor = bandwidth_gb_s * 1e9 / section["bytes_per_token"]
         section.update(

@@ -457,10 +457,15 @@ def _weights_line(w: dict[str, Any]) -> str:
     same = w.get("rows_agree", {}).get("same_text_as")
     return (
         f"weights: {w['weights']}, stored {formats} ({w['block_bytes'] / 1e6:.1f} MB instead of "
-        f"{w['float32_bytes'] / 1e6:.1f} MB float32), {w['activations']} activations, {exact}"
+        f"{w['float32_bytes'] / 1e6:.1f} MB float32{_one_row_note(w)}), {w['activations']} activations, {exact}"
         + (f"; the same text as --method {same} with these weights" if same else "")
         + _kernels_note(w)
     )
+
+
+def _one_row_note(w: dict[str, Any]) -> str:
+    extra = w.get("native_one_row_bytes", 0)
+    return f"; {extra / 1e6:.1f} MB of it the one-digit codes again, in lanes for one-token calls" if extra else ""
 
 
 def _kernels_note(w: dict[str, Any]) -> str:

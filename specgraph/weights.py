@@ -154,6 +154,7 @@ def store_weights(
         native_matmuls=report.native,
         native_lanes=report.lanes,
         native_one_row_lanes=report.one_row,
+        native_one_row_bytes=report.one_row_bytes,
         native_attention=attention,
     )
     if fused:

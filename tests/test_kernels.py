@@ -499,6 +499,17 @@ def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, we
     if weights == "int4":  # speculative engines keep pairs for verify calls, and lanes for one-token calls
         assert lanes["lookup"] == lanes["medusa"] == 0
         assert one_row["lookup"] == matmuls["lookup"] and one_row["medusa"] == matmuls["medusa"] and one_row["none"] == 0
+        # the extra lanes hold each product's pairs again (padded to whole lanes of 8 outputs); bench
+        # counts one copy as what a call streams
+        graph = onnx.load(str(tmp_path / "lookup" / "model.onnx"), load_external_data=False).graph
+        sizes = {t.name: int(np.prod(t.dims)) for t in graph.initializer}
+        nodes = [n for n in graph.node if n.op_type == "BlockMatMul" and len(n.input) > 7 and n.input[7]]
+        pairs = sum(sizes[n.input[1]] for n in nodes)
+        extra = engines["lookup"].manifest["weights"]["native_one_row_bytes"]
+        assert len(nodes) == matmuls["lookup"] and pairs <= extra <= pairs * 1.1
+        from specgraph.bench import _weights
+
+        assert _weights(engines["lookup"], 1.0, None)["bytes_per_token"] == engines["lookup"].weight_bytes - extra
     else:
         assert lanes == matmuls and not any(one_row.values())
     for prompt in PROMPTS:
