@@ -5,6 +5,8 @@ engine, and what cannot run is refused in one line."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -284,6 +286,103 @@ def test_native_engines_fold_norms_swiglus_and_residuals_into_their_products(tmp
     assert fuse_into_block_matmuls(tmp_path / "g.onnx") == {"norms": 0, "glus": 0, "residuals": 0}
 
 
+_RUN_PORTABLE = """
+import sys, numpy as np, onnxruntime as ort
+library, folder, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for i in range(count):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(library)
+    session = ort.InferenceSession(f"{folder}/{i}.onnx", options, providers=["CPUExecutionProvider"])
+    outs = session.run(None, dict(np.load(f"{folder}/{i}.npz")))
+    np.savez(f"{folder}/{i}.out.npz", *outs)
+"""
+
+
+def _product_model(codes: np.ndarray, block: int, layout: str, rng, **attrs) -> onnx.ModelProto:  # type: ignore[no-untyped-def]
+    """A one-node BlockMatMul over codes [N, K] in `layout` (pairs, lanes, wide), float16 scales
+    and offsets, with `attrs` (activation_bits, glu) and, for `norm`, a norm input."""
+    n, k = codes.shape
+    d = (rng.random((k // block, n)) * 0.02 + 0.001).astype(np.float16)
+    m = (-(8 if codes.max() < 16 else 136) * d * rng.uniform(0.8, 1.2, d.shape)).astype(np.float16)
+    norm = attrs.pop("norm", False)
+    if layout == "lanes":
+        inits, inputs = [numpy_helper.from_array(native_lanes(_pack(codes, block)), "q")], ["x", "q", "d", "m"]
+    elif layout == "wide":
+        lanes = native_lanes(_pack(codes >> 4, block), _pack(codes & 15, block))
+        inits, inputs, attrs = [numpy_helper.from_array(lanes, "q")], ["x", "q", "d", "m"], {**attrs, "lane_bits": 8}
+    else:
+        inits, inputs = _pairs(codes, block, 1 if codes.max() < 16 else 2, True)
+    inputs = _with_scales(inits, inputs, d, m, np.float16)
+    if norm:
+        inits.append(numpy_helper.from_array(rng.uniform(0.5, 1.5, k).astype(np.float32), "g"))
+        inputs = [*inputs, *[""] * (5 - len(inputs)), "g"]
+    node = helper.make_node("BlockMatMul", inputs, ["y"], domain=NATIVE_DOMAIN, K=k, N=n, block_size=block,
+                            norm_epsilon=1e-5, **attrs)  # fmt: skip
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(NATIVE_DOMAIN, 1)])
+
+
+def test_the_portable_loops_compute_what_the_avx2_ones_do(tmp_path):
+    """$SPECGRAPH_KERNELS_PORTABLE makes the library take its portable loops on this machine (what a
+    CPU without AVX2 runs). The int8 product follows the AVX2 lane order, so it equals the AVX2
+    product to the bit; the float32 products (pairs, lanes, wide lanes, with a fused norm or
+    SwiGLU) and the attention sum in another order, so they agree to float rounding."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(3)
+    n, k = 75, 96
+    four, eight = rng.integers(0, 16, (n, k)), rng.integers(0, 256, (n, k))
+    cases = [
+        ("pairs", _product_model(four, 32, "pairs", rng), True),
+        ("two digits", _product_model(eight, 16, "pairs", rng), True),
+        ("lanes", _product_model(four, 32, "lanes", rng), True),
+        ("wide lanes", _product_model(eight, 32, "wide", rng), True),
+        ("norm", _product_model(four, 32, "pairs", rng, norm=True), True),
+        ("int8", _product_model(four, 32, "pairs", rng, activation_bits=8), False),
+        ("int8, two digits", _product_model(eight, 32, "pairs", rng, activation_bits=8), False),
+    ]
+    glu = _product_model(four, 32, "pairs", rng, glu=1)
+    feeds = [{"x": rng.standard_normal((rows, k)).astype(np.float32)} for rows in (1, 5) for _ in cases]
+    models = [model for _rows in (1, 5) for _, model, _ in cases]
+    names = [f"{name}, {rows} rows" for rows in (1, 5) for name, _, _ in cases]
+    close = [c for _rows in (1, 5) for *_, c in cases]
+    models.append(glu)
+    feeds.append({"x": rng.standard_normal((3, 2 * k)).astype(np.float32)})
+    names.append("glu")
+    close.append(True)
+    models.append(_attention_model())
+    feeds.append(_attention_feeds(rng, 2, 3, [4, 17], 64))
+    names.append("attention")
+    close.append(True)
+    for i, (model, feed) in enumerate(zip(models, feeds, strict=True)):
+        onnx.save(model, str(tmp_path / f"{i}.onnx"))
+        np.savez(tmp_path / f"{i}.npz", **feed)
+    env = {**os.environ, "SPECGRAPH_KERNELS_PORTABLE": "1"}
+    subprocess.run([sys.executable, "-c", _RUN_PORTABLE, str(library_path()), str(tmp_path), str(len(models))],
+                   env=env, check=True)  # fmt: skip
+    reordered = 0
+    for i, (model, feed) in enumerate(zip(models, feeds, strict=True)):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 2
+        options.register_custom_ops_library(str(library_path()))
+        avx2 = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feed)
+        portable = np.load(tmp_path / f"{i}.out.npz")
+        for j, want in enumerate(avx2):
+            got = portable[f"arr_{j}"]
+            if names[i] == "attention" and j > 0:  # a cache not bound in place: only its written slots are defined
+                ends = feed["seqlens"] + 1
+                got, want = (np.concatenate([c[b, :, :end] for b, end in enumerate(ends)], 1) for c in (got, want))
+            if close[i]:
+                assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), names[i]
+                reordered += not np.array_equal(got, want)
+            else:
+                assert np.array_equal(got, want), names[i]
+    assert reordered > 0  # the float32 sums' last bits differ somewhere: the portable loops did run
+
+
 def test_block_matmul_refuses_scales_of_the_wrong_shape_or_type():
     k, n, block = 64, 16, 32
     codes = numpy_helper.from_array(np.zeros((n, k // block, block // 2), np.uint8), "q")
@@ -301,16 +400,24 @@ def test_block_matmul_refuses_scales_of_the_wrong_shape_or_type():
             _session(node, inits, k, n).run(None, {"x": x})
 
 
-def _attention_session() -> ort.InferenceSession:
+def _attention_graph() -> onnx.GraphProto:
     names = ["q", "k", "v", "past_key", "past_value", "seqlens", "cos", "sin"]
     types = [TensorProto.INT32 if n == "seqlens" else TensorProto.FLOAT for n in names]
     node = helper.make_node("CachedAttention", names, ["out", "present_key", "present_value"], domain=NATIVE_DOMAIN,
                             num_heads=4, kv_num_heads=2, scale=0.3)  # fmt: skip
-    graph = helper.make_graph(
+    return helper.make_graph(
         [node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types, strict=True)],
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output],
     )  # fmt: skip
-    return _native_session(graph)
+
+
+def _attention_session() -> ort.InferenceSession:
+    return _native_session(_attention_graph())
+
+
+def _attention_model() -> onnx.ModelProto:
+    return helper.make_model(_attention_graph(), opset_imports=[helper.make_opsetid("", 21),
+                                                               helper.make_opsetid(NATIVE_DOMAIN, 1)])  # fmt: skip
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -1,6 +1,8 @@
 // The cached attention of attention.h: a portable loop, and AVX2 dot products chosen at run time.
 #include "attention.h"
 
+#include "block_matmul.h"
+
 #include <immintrin.h>
 
 #include <cmath>
@@ -9,8 +11,9 @@
 namespace sg::kernels {
 namespace {
 
+// $SPECGRAPH_KERNELS_PORTABLE set and not empty: the portable loops even where AVX2 exists (tests).
 bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !forced_portable();
   return yes;
 }
 

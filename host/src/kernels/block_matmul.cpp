@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -71,21 +72,24 @@ float offset_term(const BlockWeights& w, const float* sums, int64_t n) {
   return total;
 }
 
-float centred_code(const BlockWeights& w, int64_t n, int64_t i) {
+// The stored code of output n, input i (0-15 for one digit, 0-255 for two), in any layout.
+int code_at(const BlockWeights& w, int64_t n, int64_t i) {
   const int64_t half = w.block / 2, nb = w.k / w.block;
   const int64_t b = i / w.block, j = (i % w.block) / 2;
   if (w.lanes) {  // lane [n / 8, paired position of i], nibble n % 8 (8-bit: [n / 4, ...], byte n % 4)
     const int64_t per = lane_outputs(w);
     const uint8_t* lane = w.high + ((n / per) * w.k + b * w.block + (i % 2) * half + j) * 4;
     const int o = static_cast<int>(n % per);
-    if (w.wide) return static_cast<float>(lane[o]) - centre(w);
-    return static_cast<float>((lane[o / 2] >> (4 * (o % 2))) & 0x0F) - centre(w);
+    return w.wide ? lane[o] : (lane[o / 2] >> (4 * (o % 2))) & 0x0F;
   }
   const int64_t at = (n * nb + b) * half + j;
   const int shift = (i % 2) ? 4 : 0;
   const int high = (w.high[at] >> shift) & 0x0F;
-  const int code = w.low ? 16 * high + ((w.low[at] >> shift) & 0x0F) : high;
-  return static_cast<float>(code) - centre(w);
+  return w.low ? 16 * high + ((w.low[at] >> shift) & 0x0F) : high;
+}
+
+float centred_code(const BlockWeights& w, int64_t n, int64_t i) {
+  return static_cast<float>(code_at(w, n, i)) - centre(w);
 }
 
 void portable(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
@@ -122,9 +126,8 @@ float int8_chain(const BlockWeights& w, const PreparedInput& in, int64_t r, int6
       int32_t sum = 0;
       if (b < nb) {
         for (int64_t j = 4 * (lane % 4); j < 4 * (lane % 4) + 4; ++j) {  // a byte: inputs 2j and 2j + 1
-          const float even = centred_code(w, n, b * kInt8Block + 2 * j) + centre(w);
-          const float odd = centred_code(w, n, b * kInt8Block + 2 * j + 1) + centre(w);
-          sum += static_cast<int32_t>(even) * q[h * half + j] + static_cast<int32_t>(odd) * q[32 + h * half + j];
+          sum += code_at(w, n, b * kInt8Block + 2 * j) * q[h * half + j] +
+                 code_at(w, n, b * kInt8Block + 2 * j + 1) * q[32 + h * half + j];
         }
       }
       const float d = b < nb ? value(w, w.scale, scale_at(w, b, n)) : 0.0f;
@@ -500,9 +503,10 @@ void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_be
   }
 }
 
+// $SPECGRAPH_KERNELS_PORTABLE set and not empty: the portable loops even where AVX2 exists (tests).
 bool has_avx2() {
-  static const bool yes =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c") && !forced_portable();
   return yes;
 }
 
@@ -625,5 +629,10 @@ void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int6
 }
 
 const char* block_matmul_path() { return has_avx2() ? "avx2" : "portable"; }
+
+bool forced_portable() {
+  const char* value = std::getenv("SPECGRAPH_KERNELS_PORTABLE");
+  return value != nullptr && value[0] != '\0';
+}
 
 }  // namespace sg::kernels

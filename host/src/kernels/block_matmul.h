@@ -91,4 +91,8 @@ void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int6
 // Which code path block_matmul takes on this CPU: "avx2" or "portable".
 const char* block_matmul_path();
 
+// $SPECGRAPH_KERNELS_PORTABLE is set and not empty: take the portable loops even where AVX2 exists
+// (so the tests can check them against the AVX2 ones on the same machine).
+bool forced_portable();
+
 }  // namespace sg::kernels
