@@ -239,25 +239,24 @@ class RowIndex:
 def gguf_index(path: str) -> RowIndex:
     """The stored blocks of every quantised matrix in a GGUF file, found by the float32 values
     that transformers' loader (gguf's own dequantiser) gives its rows."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from specgraph.default_model import gguf_reader
-
-    reader = gguf_reader(Path(path))
+    from specgraph.gguf_table import tensor_table
 
     def stored() -> Iterator[tuple[BlockWeight, np.ndarray]]:  # one matrix in memory at a time
-        for t in reader.tensors:
-            name = t.tensor_type.name
-            if len(t.shape) != 2 or name in FLOAT_FORMATS:
+        for t in tensor_table(Path(path)):
+            if len(t.shape) != 2 or t.type_name in FLOAT_FORMATS:
                 continue
-            cols, rows = (int(v) for v in t.shape)  # GGUF lists the fastest-varying dimension first
-            yield from_gguf(name, t.data, rows, cols), dequantize(t.data, t.tensor_type).reshape(rows, cols)
+            cols, rows = t.shape  # GGUF lists the fastest-varying dimension first
+            values = dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(rows, cols)
+            yield from_gguf(t.type_name, t.data, rows, cols), values
 
     return RowIndex(stored())
 
 
 def gguf_formats(path: str) -> set[str]:
     """Formats of the file's matrices (read from its header; no tensor data is touched)."""
-    from specgraph.default_model import gguf_reader
+    from specgraph.gguf_table import tensor_table
 
-    return {t.tensor_type.name for t in gguf_reader(Path(path)).tensors if len(t.shape) == 2}
+    return {t.type_name for t in tensor_table(Path(path)) if len(t.shape) == 2}

@@ -327,6 +327,32 @@ def test_truncated_and_foreign_gguf(tmp_path: Path) -> None:
         load_model(tmp_path / "text.gguf")
 
 
+@pytest.mark.parametrize("formats", [("Q4_1", "Q8_0"), ("Q4_0", "Q4_0"), ("Q8_0", "Q4_1")])
+def test_the_fast_tensor_table_reads_what_ggufs_reader_reads(tmp_path: Path, formats) -> None:
+    """`gguf_table.tensor_table` steps over the metadata instead of parsing it: the same tensors
+    (name, format, shape, bytes) as gguf.GGUFReader, on the default model and on tiny files; a
+    file cut anywhere past its magic is refused in one line."""
+    import gguf
+    import numpy as np
+
+    from specgraph.gguf_table import tensor_table
+    from tests.models.tiny_gguf import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / "m.gguf", *formats)
+    for file in (path, gguf_path()):
+        reader = gguf.GGUFReader(str(file))
+        table = tensor_table(file)
+        assert len(table) == len(reader.tensors) > 0
+        for want, got in zip(reader.tensors, table, strict=True):
+            assert (want.name, want.tensor_type.name, tuple(int(d) for d in want.shape)) == (got.name, got.type_name, got.shape)
+            assert want.data.dtype == got.data.dtype and np.array_equal(want.data, got.data)
+    whole = path.read_bytes()
+    for cut in (10, 200, len(whole) // 2, len(whole) - 1):
+        (tmp_path / "cut.gguf").write_bytes(whole[:cut])
+        with pytest.raises(ModelLoadError, match="cut.gguf is truncated or corrupt"):
+            tensor_table(tmp_path / "cut.gguf")
+
+
 def test_missing_and_unrecognised_paths(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="no such model: .*missing.pt2"):
         load_model(tmp_path / "missing.pt2")
