@@ -133,7 +133,9 @@ def run_weights_as_blocks(
                         and (lanes and table not in gathered if len(r.digits) == 1 else wide and (table not in gathered or wide_table))
                         for r in runs
                     ]  # fmt: skip
-                    also = [one_row and not quantised and not laned[i] and len(r.digits) == 1 for i, r in enumerate(runs)]
+                    also = [
+                        one_row and not quantised and not laned[i] and len(r.digits) == 1 for i, r in enumerate(runs)
+                    ]
                     new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised, also)
                     report.native += 1
                     report.native_int8 += quantised
@@ -278,7 +280,13 @@ def _native_fits(run: _Digits) -> bool:
 
 
 def _native_nodes(
-    name: str, x: str, y: str, runs: list[_Digits], graph: onnx.GraphProto, lanes: list[bool], int8: bool = False,
+    name: str,
+    x: str,
+    y: str,
+    runs: list[_Digits],
+    graph: onnx.GraphProto,
+    lanes: list[bool],
+    int8: bool = False,
     one_row: list[bool] | None = None,
 ) -> list[onnx.NodeProto]:
     """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low

@@ -368,7 +368,9 @@ def test_the_portable_loops_compute_what_the_avx2_ones_do(tmp_path):
         options = ort.SessionOptions()
         options.intra_op_num_threads = 2
         options.register_custom_ops_library(str(library_path()))
-        avx2 = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feed)
+        avx2 = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feed
+        )
         portable = np.load(tmp_path / f"{i}.out.npz")
         for j, want in enumerate(avx2):
             got = portable[f"arr_{j}"]
@@ -605,7 +607,9 @@ def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, we
     one_row = {method: engine.manifest["weights"]["native_one_row_lanes"] for method, engine in engines.items()}
     if weights == "int4":  # speculative engines keep pairs for verify calls, and lanes for one-token calls
         assert lanes["lookup"] == lanes["medusa"] == 0
-        assert one_row["lookup"] == matmuls["lookup"] and one_row["medusa"] == matmuls["medusa"] and one_row["none"] == 0
+        assert (
+            one_row["lookup"] == matmuls["lookup"] and one_row["medusa"] == matmuls["medusa"] and one_row["none"] == 0
+        )
         # the extra lanes hold each product's pairs again (padded to whole lanes of 8 outputs); bench
         # counts one copy as what a call streams
         graph = onnx.load(str(tmp_path / "lookup" / "model.onnx"), load_external_data=False).graph

@@ -344,7 +344,11 @@ def test_the_fast_tensor_table_reads_what_ggufs_reader_reads(tmp_path: Path, for
         table = tensor_table(file)
         assert len(table) == len(reader.tensors) > 0
         for want, got in zip(reader.tensors, table, strict=True):
-            assert (want.name, want.tensor_type.name, tuple(int(d) for d in want.shape)) == (got.name, got.type_name, got.shape)
+            assert (want.name, want.tensor_type.name, tuple(int(d) for d in want.shape)) == (
+                got.name,
+                got.type_name,
+                got.shape,
+            )
             assert want.data.dtype == got.data.dtype and np.array_equal(want.data, got.data)
     whole = path.read_bytes()
     for cut in (10, 200, len(whole) // 2, len(whole) - 1):
