@@ -352,7 +352,13 @@ def test_source_gguf_engine_equals_its_none_engine(tmp_path):
     lanes = {m: w.pop("native_lanes", 0) for m, w in weights.items()}
     # and the final norm, whose output EAGLE's drafter reads too, stays a node in eagle's engine
     fused = {m: w.pop("native_fused", {}) for m, w in weights.items()}
-    assert weights["eagle"] == weights["none"] and lanes["eagle"] == 0
+    # eagle keeps pairs for its verify calls and the same codes again in lanes for one-token calls
+    one_row = {m: (w.pop("native_one_row_lanes", 0), w.pop("native_one_row_bytes", 0)) for m, w in weights.items()}
+    stored = {m: w.pop("block_bytes") for m, w in weights.items()}
+    assert weights["eagle"] == weights["none"] and lanes["eagle"] == 0 and one_row["none"] == (0, 0)
+    assert stored["eagle"] == stored["none"] + one_row["eagle"][1]
+    if weights["none"]["kernels"] == "native":
+        assert one_row["eagle"][0] == weights["eagle"]["matmuls"]
     assert (lanes["none"] > 0) == (weights["none"]["kernels"] == "native")
     if fused["none"]:
         assert fused["eagle"] == {**fused["none"], "norms": fused["none"]["norms"] - 1}
