@@ -292,9 +292,8 @@ def _native_nodes(
     """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low
     digit or ""), d and m the format's own scale and offset (the low digit's for two digits). With
     `lanes[i]`, run i's codes go in the kernel's lanes layout (`native_lanes`; wide lanes for two
-    digits); `int8`: x is
-    quantised to int8 per block of 32 first (`activation_bits=8`); `one_row[i]`: run i keeps pairs
-    and takes its lanes as well (input 7), for calls of one row."""
+    digits); `int8`: x is quantised to int8 per block of 32 first (`activation_bits=8`);
+    `one_row[i]`: run i keeps pairs and takes its lanes as well (input 7), for calls of one row."""
     nodes: list[onnx.NodeProto] = []
     outs = []
     for i, run in enumerate(runs):

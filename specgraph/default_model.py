@@ -153,7 +153,8 @@ def check_config_fits_weights(config: PretrainedConfig, numels: dict[str, int], 
 
 def gguf_reader(path: Path) -> gguf.GGUFReader:
     """The GGUF's header and tensor table (memory-mapped; the reader checks every tensor lies inside
-    the file). Parsed once per file version: a compile reads it to check formats, load and index blocks."""
+    the file). Parsed once per file version, for loading (config, tokenizer, tensors); the formats
+    check and the block index read only the tensor table (`gguf_table.tensor_table`, much faster)."""
     stat = path.stat()
     return _cached_reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
