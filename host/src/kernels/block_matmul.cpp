@@ -17,7 +17,9 @@ namespace {
 constexpr int kRowTile = 4;  // input rows that share one unpacking of a weight block
 constexpr int64_t kChunk = kScaleTile;  // outputs whose d and c' are unpacked together
 
-float centre(const BlockWeights& w) { return w.low || w.wide ? 136.0f : 8.0f; }
+// The centre the codes are taken from (block_matmul.h): 136 for two digits; for one digit 8 with
+// int8 activations and 0 with float32 ones, where subtracting it would cost one instruction in four.
+float centre(const BlockWeights& w, bool int8) { return w.low || w.wide ? 136.0f : int8 ? 8.0f : 0.0f; }
 
 // Outputs a 32-bit lane holds: 8 of 4-bit codes, 4 of 8-bit ones.
 int64_t lane_outputs(const BlockWeights& w) { return w.wide ? kLaneOutputs / 2 : kLaneOutputs; }
@@ -61,14 +63,14 @@ float value(const BlockWeights& w, const void* p, int64_t i) {
 }
 
 // c' = m + centre * d of element i, rounded once.
-float shift(const BlockWeights& w, int64_t i) {
-  return std::fma(centre(w), value(w, w.scale, i), w.offset ? value(w, w.offset, i) : 0.0f);
+float shift(const BlockWeights& w, int64_t i, bool int8) {
+  return std::fma(centre(w, int8), value(w, w.scale, i), w.offset ? value(w, w.offset, i) : 0.0f);
 }
 
 // The offset part of y[r, n]: sum_b c'_b * S_b.
-float offset_term(const BlockWeights& w, const float* sums, int64_t n) {
+float offset_term(const BlockWeights& w, const float* sums, int64_t n, bool int8) {
   float total = 0.0f;
-  for (int64_t b = 0; b < w.k / w.block; ++b) total = std::fma(shift(w, scale_at(w, b, n)), sums[b], total);
+  for (int64_t b = 0; b < w.k / w.block; ++b) total = std::fma(shift(w, scale_at(w, b, n), int8), sums[b], total);
   return total;
 }
 
@@ -89,7 +91,7 @@ int code_at(const BlockWeights& w, int64_t n, int64_t i) {
 }
 
 float centred_code(const BlockWeights& w, int64_t n, int64_t i) {
-  return static_cast<float>(code_at(w, n, i)) - centre(w);
+  return static_cast<float>(code_at(w, n, i)) - centre(w, false);
 }
 
 void portable(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
@@ -106,7 +108,7 @@ void portable(const BlockWeights& w, const PreparedInput& in, float* y, int64_t 
         }
         total += value(w, w.scale, scale_at(w, b, n)) * t;
       }
-      y[r * w.n + n] = total + offset_term(w, in.sums + r * nb, n);
+      y[r * w.n + n] = total + offset_term(w, in.sums + r * nb, n, false);
     }
   }
 }
@@ -140,7 +142,7 @@ float int8_chain(const BlockWeights& w, const PreparedInput& in, int64_t r, int6
 void portable_int8(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
   const int64_t nb = w.k / kInt8Block;
   for (int64_t n = n_begin; n < n_end; ++n)
-    for (int64_t r = 0; r < in.rows; ++r) y[r * w.n + n] = int8_chain(w, in, r, n) + offset_term(w, in.sums + r * nb, n);
+    for (int64_t r = 0; r < in.rows; ++r) y[r * w.n + n] = int8_chain(w, in, r, n) + offset_term(w, in.sums + r * nb, n, true);
 }
 
 __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
@@ -152,8 +154,8 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
 
 // One pass over a lane tile (lanes layout, block_matmul.h): rows [0, R) and the tile's outputs
 // [O, O + P). Each 8 lanes (8 inputs of the paired order, 8 or, for B = 8-bit codes, 4 outputs)
-// are loaded once; output o's centred codes times 16^o (256^o) are one AND (the top output's one
-// shift) and one subtraction, converted once and multiplied into every row. The inputs go in
+// are loaded once; output o's codes times 16^o (256^o) are one AND (the top output's one shift),
+// less the centre for 8-bit codes, converted once and multiplied into every row. The inputs go in
 // tile_avx2's order (a block's 8 even inputs from j, then its 8 odd ones, for j = 0, 8, ...), one
 // chain a (row, output), and the chain's value is 16^o (256^o) times tile_avx2's, exactly, so once
 // scaled back a product rounds as the pairs layout's does, bit for bit, for every R and P.
@@ -164,7 +166,7 @@ __attribute__((target("avx2,fma,f16c"))) void lane_pass(const BlockWeights& w, c
                                                         const float* const* x, const float* d,
                                                         float (*out)[kLaneOutputs]) {
   constexpr int kTop = 32 / B - 1;
-  constexpr int kMask = (1 << B) - 1, kCentre = B == 4 ? 8 : 136;
+  constexpr int kMask = (1 << B) - 1, kCentre = B == 4 ? 0 : 136;  // centre(w, false)
   const int64_t half = H ? H : w.block / 2, block = 2 * half, nb = w.k / block;
   __m256 acc[R][P];
   for (int r = 0; r < R; ++r)
@@ -175,6 +177,9 @@ __attribute__((target("avx2,fma,f16c"))) void lane_pass(const BlockWeights& w, c
       for (int o = 0; o < P; ++o) t[r][o] = _mm256_setzero_ps();
     for (int64_t j = 0; j < half; j += 8) {
       for (int64_t at_input : {b * block + j, b * block + half + j}) {  // 8 even inputs, then 8 odd
+        // the next tile's lanes, from memory while this one computes (its first pass only): 8-10%
+        // off a one-row product that streams from memory (prefetches never fault past the end)
+        if (O == 0) _mm_prefetch(reinterpret_cast<const char*>(lanes + at_input + w.k), _MM_HINT_T0);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + at_input));
         __m256 xs[R];
         for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x[r] + at_input);
@@ -183,7 +188,7 @@ __attribute__((target("avx2,fma,f16c"))) void lane_pass(const BlockWeights& w, c
           const __m256i code = at == kTop ? _mm256_srli_epi32(v, 32 - B)
                                           : _mm256_and_si256(v, _mm256_set1_epi32(kMask << (B * at)));
           const int centre_at = at == kTop ? kCentre : kCentre << (B * at);
-          const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(centre_at)));
+          const __m256 q = _mm256_cvtepi32_ps(kCentre ? _mm256_sub_epi32(code, _mm256_set1_epi32(centre_at)) : code);
           for (int r = 0; r < R; ++r) t[r][o] = _mm256_fmadd_ps(xs[r], q, t[r][o]);
         }
       }
@@ -260,7 +265,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, c
   const int64_t nb = w.k / w.block, half = H ? H : w.block / 2, block = 2 * half;
   const __m256i nibble = _mm256_set1_epi32(0x0F);
   const __m256i top = _mm256_set1_epi32(0xF0);
-  const __m256i centre_codes = _mm256_set1_epi32(static_cast<int>(centre(w)));
+  const __m256i centre_codes = _mm256_set1_epi32(static_cast<int>(centre(w, false)));
   for (int64_t first = 0; first + C <= count; first += C) {
     const int64_t n0 = n_first + first;
     const float* d = d_first + first;
@@ -298,8 +303,12 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, c
             even = _mm256_and_si256(h, nibble);
             odd = _mm256_srli_epi32(h, 4);
           }
-          const __m256 qe = _mm256_cvtepi32_ps(_mm256_sub_epi32(even, centre_codes));  // centred codes of inputs 2j
-          const __m256 qo = _mm256_cvtepi32_ps(_mm256_sub_epi32(odd, centre_codes));   // and of inputs 2j + 1
+          if (Two) {  // one digit has centre 0
+            even = _mm256_sub_epi32(even, centre_codes);
+            odd = _mm256_sub_epi32(odd, centre_codes);
+          }
+          const __m256 qe = _mm256_cvtepi32_ps(even);  // centred codes of inputs 2j
+          const __m256 qo = _mm256_cvtepi32_ps(odd);   // and of inputs 2j + 1
           for (int r = 0; r < R; ++r) {
             t[r][c] = _mm256_fmadd_ps(xe[r], qe, t[r][c]);
             t[r][c] = _mm256_fmadd_ps(xo[r], qo, t[r][c]);
@@ -421,9 +430,9 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 eight(const BlockWeights&
 // d and c' = m + centre * d of the outputs [n0, n0 + count) as float32, [K/block, kChunk] each,
 // zero past count.
 __attribute__((target("avx2,fma,f16c"))) void unpack_chunk(const BlockWeights& w, int64_t n0, int64_t count,
-                                                           float* d, float* shifts) {
+                                                           float* d, float* shifts, bool int8) {
   const int64_t nb = w.k / w.block;
-  const __m256 centre8 = _mm256_set1_ps(centre(w));
+  const __m256 centre8 = _mm256_set1_ps(centre(w, int8));
   for (int64_t b = 0; b < nb; ++b) {
     float* db = d + b * kChunk;
     float* sb = shifts + b * kChunk;
@@ -438,7 +447,7 @@ __attribute__((target("avx2,fma,f16c"))) void unpack_chunk(const BlockWeights& w
     } else {
       for (int64_t c = 0; c < kChunk; ++c) {
         db[c] = c < count ? value(w, w.scale, scale_at(w, b, n0 + c)) : 0.0f;
-        sb[c] = c < count ? shift(w, scale_at(w, b, n0 + c)) : 0.0f;
+        sb[c] = c < count ? shift(w, scale_at(w, b, n0 + c), int8) : 0.0f;
       }
     }
   }
@@ -485,7 +494,7 @@ void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_be
   float* shifts = d + nb * kChunk;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kChunk) {
     const int64_t count = n_end - n0 < kChunk ? n_end - n0 : kChunk;
-    unpack_chunk(w, n0, count, d, shifts);
+    unpack_chunk(w, n0, count, d, shifts, in.codes != nullptr);
     if (in.codes) {
       two ? int8_rows<true>(w, in, y, n0, count, d) : int8_rows<false>(w, in, y, n0, count, d);
     } else if (w.lanes) {

@@ -11,19 +11,21 @@
 //
 // The product is computed on centred codes: y = sum_b d_b * T_b + c'_b * S_b with T_b =
 // sum_k x_k * (code_k - centre) over block b, S_b the block's input sum and c'_b = m_b + centre *
-// d_b (centre 8 for one digit, 136 for two), which keeps both terms small when m_b is near
-// -centre * d_b, as in symmetric formats.
+// d_b. For two digits the centre is 136, which keeps both terms small when m_b is near -centre *
+// d_b, as in symmetric formats (Q8_0). For one digit it is 0 at float32 activations (the codes'
+// 0-15 are at most twice the centred ones' magnitude, and the subtraction would be one instruction
+// in four of the lanes loop: 20% of a one-row product) and 8 at int8 activations (exact integers).
 //
 // Lanes (one 4-bit digit only): the codes of 8 consecutive outputs share one 32-bit lane per input,
 // output 8t + o in bits [4o, 4o + 4) of lane [t, p], [ceil(N / 8), K] lanes (zero past N), p the
 // input's position in the paired order above (a block's even inputs, then its odd ones). A product
-// then takes 8 inputs' codes of one output with an AND (the top output's with a shift) and a
-// subtraction, with no widening or shuffling: 4 instructions for 8 weights where pairs take about
-// 5. Output o's centred codes come out times 16^o and its sum is scaled back by 16^-o, a power of
+// then takes 8 inputs' codes of one output with an AND (the top output's with a shift), with no
+// widening or shuffling: 3 instructions for 8 weights (AND, convert, multiply-add) where pairs take
+// about 4. Output o's codes come out times 16^o and its sum is scaled back by 16^-o, a power of
 // two, so a lanes product rounds exactly as the pairs layout's does (to the bit, barring
 // subnormals): a `none` engine in lanes emits what a speculative one in pairs verifies.
 // Wide lanes do the same for 8-bit codes (two digits, 16 * high + low): 4 outputs a lane, output o
-// in bits [8o, 8o + 8), centred on 136 and scaled by 256^o.
+// in bits [8o, 8o + 8), centred on 136 (one subtraction more) and scaled by 256^o.
 //
 // Int8 activations (`--activations int8`; blocks of 32, pairs layout): x is first quantised per
 // block of 32 inputs, q = round(x * 127 / max|x|) with step e = max|x| / 127 (Q8_0's rule, the
