@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         choices=["fp32", "int8"],
         help="fp32 (default): multiply in float32, exact against the weights. int8: quantise activations per "
-        "block of 32 for integer dot products (as llama.cpp does): faster, a slightly different model (its "
-        "speculative engines still match its own none engine)",
+        "block of 32 for integer dot products (as llama.cpp does): a slightly different model (its "
+        "speculative engines still match its own none engine), faster only where the CPU has VNNI",
     )
     c.add_argument(
         "--kernels",
