@@ -45,7 +45,7 @@ def main() -> None:
         parts = [f"c({w}) ms, median of {len(first)} rounds (ratio to the first library):"]
         for lib in libraries:
             ms = [r[w] for r in runs[lib]]
-            ratio = statistics.median(m / f for m, f in zip(ms, first))
+            ratio = statistics.median(m / f for m, f in zip(ms, first, strict=True))
             parts.append(f"{lib} {statistics.median(ms):.2f} ({ratio:.3f})")
         print("  ".join(parts))
 
