@@ -16,6 +16,9 @@ What is measured, and how the figures compare:
   outgrows c(N)/c(1), the break-even tau.
 With `reference=` (a `none` bundle of the same model), both engines run every prompt in the same
 process, one after the other, and their outputs must be token-identical (the method is lossless).
+With `repeats=` N > 1 every engine runs every prompt N times, the order of the engines rotated
+each time, and each prompt keeps each engine's run of median speed: a machine whose speed swings
+between runs seconds apart then moves a prompt's ratio less.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +324,7 @@ def run_bench(
     stop_at_eos: bool = True,
     bandwidth_mb: int = 512,
     sampling: SamplingParams | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Generate for every prompt of `prompts` (a file or set name, see `read_prompts`) with the
     bundle on `threads` threads and return a JSON-ready report. Greedy unless `sampling` says
@@ -336,6 +342,8 @@ def run_bench(
         raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if threads < 1:
         raise InputError(f"--threads must be at least 1, got {threads}")
+    if repeats < 1:
+        raise InputError(f"--repeats must be at least 1, got {repeats}")
     params = (sampling or SamplingParams()).check()
     params = params if params.greedy else params.with_seed(default=0)
     engine = Engine(bundle, threads=threads)
@@ -354,7 +362,7 @@ def run_bench(
     # llama.cpp, the tool a user would otherwise pick, runs beside every bundle (speculative ones too)
     peer, peer_head = _llama_cpp_peer(engine, runnable, max_new_tokens, threads) if baseline else (None, {})
     runs, ref_runs, peer_runs, wall_s = _generate_all(
-        engine, ref, peer, runnable, max_new_tokens, stop_at_eos, progress, params
+        engine, ref, peer, runnable, max_new_tokens, stop_at_eos, progress, params, repeats
     )
     engine_tps = statistics.median(r.tokens_per_s for r in runs)
     bandwidth = None
@@ -373,6 +381,7 @@ def run_bench(
             "stop_at_eos": stop_at_eos,
             "max_context": engine.max_context,
             "sampling": params.as_dict(),
+            "repeats": repeats,
         },
         "environment": environment(),
         "skipped_prompts": [i for i, ids in enumerate(all_ids) if not 0 < len(ids) < room],
@@ -410,10 +419,12 @@ def _generate_all(
     stop_at_eos: bool,
     progress: bool,
     params: SamplingParams,
+    repeats: int = 1,
 ) -> tuple[list[GenerationResult], list[GenerationResult], list[GenerationResult], float]:
     """Every prompt through the engine, then the reference and the peer (llama.cpp) right after
-    it, so all see the same machine state and drift hits them alike. Returns the runs of each
-    and the engine's wall time."""
+    it, so all see the same machine state and drift hits them alike; with `repeats` > 1 each
+    prompt `repeats` times, the engines' order rotated each time, keeping each engine's run of
+    median speed. Returns the runs of each and the engine's wall time (of the runs kept)."""
 
     def seeded(index: int) -> SamplingParams:
         return params if params.seed is None else replace(params, seed=params.seed + index)
@@ -425,13 +436,24 @@ def _generate_all(
     bar = tqdm(runnable, desc=f"bench {engine.method}", unit="prompt", file=sys.stderr, disable=not progress)
     for index, ids in bar:
         options = seeded(index).as_dict()
-        start = time.perf_counter()
-        runs.append(engine.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options))
-        wall_s += time.perf_counter() - start
-        if ref is not None:
-            ref_runs.append(ref.generate(ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options))
+        arms: list[tuple[list[GenerationResult], Callable[[], GenerationResult]]] = [
+            (kept, partial(e.generate, ids, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, **options))
+            for kept, e in ((runs, engine), (ref_runs, ref))
+            if e is not None
+        ]
         if peer is not None:
-            peer_runs.append(peer(ids, max_new_tokens, seeded(index)))
+            arms.append((peer_runs, partial(peer, ids, max_new_tokens, seeded(index))))
+        tries: list[list[tuple[GenerationResult, float]]] = [[] for _ in arms]
+        for rep in range(repeats):
+            for i in [(rep + j) % len(arms) for j in range(len(arms))]:  # rotated: no arm always goes first
+                start = time.perf_counter()
+                done = arms[i][1]()
+                tries[i].append((done, time.perf_counter() - start))
+        for (kept, _), timed in zip(arms, tries, strict=True):
+            run, seconds = sorted(timed, key=lambda t: t[0].tokens_per_s)[(len(timed) - 1) // 2]
+            kept.append(run)
+            if kept is runs:
+                wall_s += seconds
         bar.set_postfix(tok_s=f"{runs[-1].tokens_per_s:.1f}")
     return runs, ref_runs, peer_runs, wall_s
 
@@ -693,7 +715,8 @@ def format_report(result: dict[str, Any]) -> str:
     lines = [
         f"bundle {result['bundle']}  method {result['method']}  model {result['model']}{how}",
         f"prompts {result['prompts']}: {agg['prompts']} run, {len(result['skipped_prompts'])} skipped (too long)"
-        f"  |  {s['threads']} threads, max {s['max_new_tokens']} new tokens, chat {'on' if s['chat'] else 'off'}",
+        f"  |  {s['threads']} threads, max {s['max_new_tokens']} new tokens, chat {'on' if s['chat'] else 'off'}"
+        + (f", each prompt the median of {s['repeats']} runs" if s.get("repeats", 1) > 1 else ""),
         "",
     ]
     with_ref = "reference" in result

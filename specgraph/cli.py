@@ -227,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-baseline", action="store_true", help="skip Hugging Face generate and the floor (none bundles)")
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
     b.add_argument(
+        "--repeats",
+        type=_positive,
+        default=1,
+        help="run every prompt N times in each engine (the bundle, --reference, llama.cpp), their order rotated "
+        "each time, and keep each engine's run of median speed (default 1; 3 steadies ratios on a noisy machine)",
+    )
+    b.add_argument(
         "--json",
         type=Path,
         default=None,
@@ -567,6 +574,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             chat=not args.no_chat,
             reference=str(args.reference) if args.reference else None,
             sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
+            repeats=args.repeats,
         )
         print(format_report(results[prompts]))
     if json_out:

@@ -264,6 +264,47 @@ def test_run_bench_reports_a_mismatch(tiny_bundle, ids_file, monkeypatch):
     assert "first mismatch: prompt 1" in format_report(result)
 
 
+def test_run_bench_repeats_rotate_the_engines_and_keep_each_ones_median_run(tiny_bundle, ids_file, monkeypatch):
+    real = Engine.generate
+    order: list[str] = []
+    times = {"lookup": [3.0, 1.0, 2.0], "none": [5.0, 4.0, 6.0]}  # each engine's 3 runs of a prompt
+
+    def scripted(self, prompt_ids, **kwargs):
+        result = real(self, prompt_ids, **kwargs)
+        order.append(self.method)
+        if len(order) > 2:  # after the warm-up generates, one per engine
+            result.decode_s = times[self.method][(order[2:].count(self.method) - 1) % 3]
+        return result
+
+    monkeypatch.setattr(Engine, "generate", scripted)
+    result = run_bench(
+        str(tiny_bundle("llama", "lookup")),
+        str(ids_file),
+        max_new_tokens=NEW_TOKENS,
+        threads=1,
+        progress=False,
+        reference=str(tiny_bundle("llama", "none")),
+        stop_at_eos=False,
+        bandwidth_mb=64,
+        repeats=3,
+    )
+    warm = order[:2]  # the warm-up generates, one per engine
+    assert sorted(warm) == ["lookup", "none"]
+    per_prompt = order[2:]
+    assert len(per_prompt) == 6 * len(PROMPT_IDS)
+    assert per_prompt[:6] == ["lookup", "none", "none", "lookup", "lookup", "none"]  # rotated each time
+    assert result["settings"]["repeats"] == 3
+    tokens = NEW_TOKENS - 1
+    for row in result["per_prompt"]:  # the median run of each: 2 s and 5 s of decoding
+        assert row["tokens_per_s"] == pytest.approx(tokens / 2.0, rel=1e-3)
+        assert row["reference_tokens_per_s"] == pytest.approx(tokens / 5.0, rel=1e-3)
+        assert row["speedup"] == pytest.approx(2.5, rel=1e-2)
+    assert result["reference"]["identical_outputs"] is True
+    assert "each prompt the median of 3 runs" in format_report(result)
+    with pytest.raises(InputError, match="--repeats"):
+        run_bench(str(tiny_bundle("llama", "lookup")), str(ids_file), progress=False, repeats=0)
+
+
 def test_run_bench_reports_a_failed_hf_baseline_instead_of_crashing(tiny_bundle, ids_file, monkeypatch):
     def refuse(source):
         raise InputError("no model here")
