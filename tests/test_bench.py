@@ -197,17 +197,14 @@ def test_run_bench_none_with_baseline(tiny_bundle, ids_file, capsys):
     assert format_report(json.loads(json.dumps(result))) == report  # also after a JSON round trip
 
 
+def _lookup_against_none(tiny_bundle, ids_file, **kwargs):
+    """`run_bench` of the tiny lookup bundle with the tiny none bundle as its reference."""
+    return run_bench(str(tiny_bundle("llama", "lookup")), str(ids_file), max_new_tokens=NEW_TOKENS, threads=1,
+                     progress=False, reference=str(tiny_bundle("llama", "none")), **kwargs)  # fmt: skip
+
+
 def test_run_bench_lookup_against_reference_is_lossless(tiny_bundle, ids_file):
-    result = run_bench(
-        str(tiny_bundle("llama", "lookup")),
-        str(ids_file),
-        max_new_tokens=NEW_TOKENS,
-        threads=1,
-        progress=False,
-        reference=str(tiny_bundle("llama", "none")),
-        stop_at_eos=False,
-        bandwidth_mb=64,
-    )
+    result = _lookup_against_none(tiny_bundle, ids_file, stop_at_eos=False, bandwidth_mb=64)
     assert result["method"] == "lookup" and "baseline" not in result
     assert result["weights"]["floor_tokens_per_s"] > 0  # bytes and floor for every bundle
     ref = result["reference"]
@@ -252,14 +249,7 @@ def test_run_bench_reports_a_mismatch(tiny_bundle, ids_file, monkeypatch):
         return result
 
     monkeypatch.setattr(Engine, "generate", corrupt)
-    result = run_bench(
-        str(tiny_bundle("llama", "lookup")),
-        str(ids_file),
-        max_new_tokens=NEW_TOKENS,
-        threads=1,
-        progress=False,
-        reference=str(tiny_bundle("llama", "none")),
-    )
+    result = _lookup_against_none(tiny_bundle, ids_file)
     assert result["reference"]["identical_outputs"] is False and result["reference"]["first_mismatch"] == 1
     assert "first mismatch: prompt 1" in format_report(result)
 
@@ -277,17 +267,7 @@ def test_run_bench_repeats_rotate_the_engines_and_keep_each_ones_median_run(tiny
         return result
 
     monkeypatch.setattr(Engine, "generate", scripted)
-    result = run_bench(
-        str(tiny_bundle("llama", "lookup")),
-        str(ids_file),
-        max_new_tokens=NEW_TOKENS,
-        threads=1,
-        progress=False,
-        reference=str(tiny_bundle("llama", "none")),
-        stop_at_eos=False,
-        bandwidth_mb=64,
-        repeats=3,
-    )
+    result = _lookup_against_none(tiny_bundle, ids_file, stop_at_eos=False, bandwidth_mb=64, repeats=3)
     warm = order[:2]  # the warm-up generates, one per engine
     assert sorted(warm) == ["lookup", "none"]
     per_prompt = order[2:]
