@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
+
+from ab_step import print_ratios, run_rotated  # scripts/ is this script's own directory on sys.path
 
 _CHILD = """
 import json, sys
@@ -32,22 +33,17 @@ def main() -> None:
         sys.exit(__doc__)
     bundle, libraries = sys.argv[1], sys.argv[2:]
     widths = os.environ.get("WIDTHS", "1")
-    runs: dict[str, list[dict[str, float]]] = {lib: [] for lib in libraries}
-    for round_ in range(int(os.environ.get("ROUNDS", "6"))):
-        shift = round_ % len(libraries)
-        for lib in libraries[shift:] + libraries[:shift]:
-            env = {**os.environ, "SPECGRAPH_KERNELS_LIB": lib}
-            done = subprocess.run([sys.executable, "-c", _CHILD, bundle, widths], env=env, capture_output=True,
-                                  text=True, check=True)  # fmt: skip
-            runs[lib].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    for w in widths.split(","):
-        first = [r[w] for r in runs[libraries[0]]]
-        parts = [f"c({w}) ms, median of {len(first)} rounds (ratio to the first library):"]
-        for lib in libraries:
-            ms = [r[w] for r in runs[lib]]
-            ratio = statistics.median(m / f for m, f in zip(ms, first, strict=True))
-            parts.append(f"{lib} {statistics.median(ms):.2f} ({ratio:.3f})")
-        print("  ".join(parts))
+    rounds = int(os.environ.get("ROUNDS", "6"))
+
+    def time_arm(i: int) -> dict[int, float]:  # the library's own process: see the docstring
+        env = {**os.environ, "SPECGRAPH_KERNELS_LIB": libraries[i]}
+        done = subprocess.run([sys.executable, "-c", _CHILD, bundle, widths], env=env, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        return {int(w): ms for w, ms in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+    print("arms:", libraries)
+    times = run_rotated(len(libraries), rounds, time_arm)
+    print_ratios(times, len(libraries), [int(w) for w in widths.split(",")], rounds)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from collections.abc import Callable
 
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams
@@ -27,30 +28,47 @@ def _arm(spec: str) -> tuple[Engine, SamplingParams]:
     return Engine(path, threads=2, verify=False), params
 
 
+def run_rotated(
+    count: int, rounds: int, time_arm: Callable[[int], dict[int, float]]
+) -> dict[tuple[int, int], list[float]]:
+    """ms of each arm's calls per width, [(arm, width)] -> one entry a round; the order of the
+    `count` arms rotates every round (the first arm of a round runs slower on this machine)."""
+    times: dict[tuple[int, int], list[float]] = {}
+    for r in range(rounds):
+        for i in [(r + j) % count for j in range(count)]:
+            for n, ms in time_arm(i).items():
+                times.setdefault((n, i), []).append(ms)
+    return times
+
+
+def print_ratios(times: dict[tuple[int, int], list[float]], count: int, widths: list[int], rounds: int) -> None:
+    """Each width's median ms per arm and each arm's median ratio to the first arm within a round."""
+    for n in widths:
+        print(
+            f"c({n}) ms, median of {rounds} rotated rounds:",
+            [round(statistics.median(times[n, i]), 2) for i in range(count)],
+            "; ratio to the first arm, median over rounds:",
+            [
+                round(statistics.median(a / b for a, b in zip(times[n, i], times[n, 0], strict=True)), 3)
+                for i in range(count)
+            ],
+        )
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if len(sys.argv) > 1 else 2)
     arms = [_arm(spec) for spec in sys.argv[1:]]
     print("arms:", sys.argv[1:])
-    times: dict[tuple[int, int], list[float]] = {}
     rounds = int(os.environ.get("ROUNDS", 2 * len(arms)))
     widths = [int(w) for w in os.environ.get("WIDTHS", "1,8").split(",")]
-    for r in range(rounds):  # the order rotates every round: the first arm of a round runs slower here
-        for i in [(r + j) % len(arms) for j in range(len(arms))]:
-            engine, params = arms[i]
-            for n in widths:
-                times.setdefault((i, n), []).append(time_call(engine, n, 64, 15, params) * 1000)
-    for n in widths:
-        print(
-            f"c({n}) ms, median of {rounds} rotated rounds:",
-            [round(statistics.median(times[i, n]), 2) for i in range(len(arms))],
-            "; ratio to the first arm, median over rounds:",
-            [
-                round(statistics.median(a / b for a, b in zip(times[i, n], times[0, n], strict=True)), 3)
-                for i in range(len(arms))
-            ],
-        )
+
+    def time_arm(i: int) -> dict[int, float]:
+        engine, params = arms[i]
+        return {n: time_call(engine, n, 64, 15, params) * 1000 for n in widths}
+
+    print_ratios(run_rotated(len(arms), rounds, time_arm), len(arms), widths, rounds)
 
 
 if __name__ == "__main__":

@@ -449,11 +449,10 @@ def _generate_all(
                 start = time.perf_counter()
                 done = arms[i][1]()
                 tries[i].append((done, time.perf_counter() - start))
-        for (kept, _), timed in zip(arms, tries, strict=True):
+        for i, ((kept, _), timed) in enumerate(zip(arms, tries, strict=True)):
             run, seconds = sorted(timed, key=lambda t: t[0].tokens_per_s)[(len(timed) - 1) // 2]
             kept.append(run)
-            if kept is runs:
-                wall_s += seconds
+            wall_s += seconds if i == 0 else 0.0  # arm 0 is the bundle
         bar.set_postfix(tok_s=f"{runs[-1].tokens_per_s:.1f}")
     return runs, ref_runs, peer_runs, wall_s
 
