@@ -84,8 +84,10 @@ def run_weights_as_blocks(
     `lanes`: those of one digit, but for a table a Gather also reads, take the lanes layout;
     `wide`: those of two digits take wide lanes (a table the tokens' Gather reads too: it reads them);
     `one_row`: those of one digit left in pairs also get lanes, which calls of one row read.
-    An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), or when
-    its table's name starts with `tables` (a drafter's, whose ids are computed in the graph)."""
+    An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), when its
+    table is one the tokens gather or a product multiplies (EAGLE's drafter embeds its drafts
+    through the target's table), or when its table's name starts with `tables` (a drafter's own,
+    whose ids are computed in the graph); so a stored table never keeps a float copy."""
     model = onnx.load(str(path))
     graph = model.graph
     arrays = {t.name: t for t in graph.initializer}
@@ -112,8 +114,20 @@ def run_weights_as_blocks(
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in graph.input}  # embedding ids: tokens [B, T]
     dropped: set[str] = set()
     gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}  # tied tables keep one layout
-    # ... but a two-digit table gathered by the tokens only may take wide lanes: the Gather reads them
-    wide_gathers = gathered - {n.input[0] for n in graph.node if n.op_type == "Gather" and ranks.get(n.input[1]) != 2}
+    # a table the tokens gather, or a product's, is stored as blocks once: every Gather of it reads
+    # the blocks (a drafter embedding the target's tokens through computed ids), never a float copy
+    stored = {n.input[0] for n in graph.node if n.op_type == "Gather" and ranks.get(n.input[1]) == 2} | {
+        n.input[1] for n in graph.node if n.op_type == "Gemm" and _plain_transb(n) and len(n.input) == 2
+    }
+
+    def rewritten(node: onnx.NodeProto) -> bool:
+        table = node.input[0]
+        return _axis(node) == 0 and (
+            ranks.get(node.input[1]) == 2 or table in stored or (tables is not None and table.startswith(tables))
+        )
+
+    # ... and a two-digit table whose every Gather is rewritten may take wide lanes: the Gathers read them
+    wide_gathers = gathered - {n.input[0] for n in graph.node if n.op_type == "Gather" and not rewritten(n)}
     int8 = accuracy_level == 4
     for node in graph.node:
         if node.op_type == "Gemm" and _plain_transb(node) and len(node.input) == 2:
@@ -145,12 +159,7 @@ def run_weights_as_blocks(
                     new_nodes += _matmul_nodes(node.name, x, y, runs, accuracy_level, blocksums, graph)
                 report.matmuls += 1
                 continue
-        table = node.input[0] if node.op_type == "Gather" else ""
-        if (
-            node.op_type == "Gather"
-            and _axis(node) == 0
-            and (ranks.get(node.input[1]) == 2 or (tables is not None and table.startswith(tables)))
-        ):
+        if node.op_type == "Gather" and rewritten(node):
             runs = digits_for(node.input[0])
             if runs is not None and len(runs) == 1:
                 run = runs[0]
@@ -159,7 +168,10 @@ def run_weights_as_blocks(
                     wide and native and not quantised and len(run.digits) == 2 and node.input[0] in wide_gathers
                 )
                 new_nodes += _gather_nodes(
-                    node, run, _native_lanes(graph, run) if laned_table and _native_fits(run) else None
+                    node,
+                    run,
+                    _native_lanes(graph, run) if laned_table and _native_fits(run) else None,
+                    flat=ranks.get(node.input[1]) != 2,
                 )
                 report.gathers += 1
                 continue
@@ -407,10 +419,13 @@ def _sum(terms: list[str], out: str, nodes: list[onnx.NodeProto]) -> str:
     return out
 
 
-def _gather_nodes(node: onnx.NodeProto, run: _Digits, lanes: str | None = None) -> list[onnx.NodeProto]:
+def _gather_nodes(node: onnx.NodeProto, run: _Digits, lanes: str | None = None,
+                  flat: bool = False) -> list[onnx.NodeProto]:  # fmt: skip
     """Embedding rows from the digit buffers: gather packed rows, unpack nibbles, scale, offset.
-    `lanes`: a two-digit table's wide lanes instead (ids [B, T]), each row's bytes gathered and
-    split into the same two digits, so the rows equal the digit buffers' to the bit."""
+    `lanes`: a two-digit table's wide lanes instead, each row's bytes gathered and split into the
+    same two digits, so the rows equal the digit buffers' to the bit. The ids are [B, T]; `flat`:
+    ids of a rank not known here (computed in the graph), gathered as [1, n] and the rows
+    reshaped back to the ids' shape."""
     ids, y, p = node.input[1], node.output[0], node.output[0] + ".q"
     nb = run.cols // run.block
     nodes: list[onnx.NodeProto] = []
@@ -420,14 +435,21 @@ def _gather_nodes(node: onnx.NodeProto, run: _Digits, lanes: str | None = None) 
         return f"{p}.{name}"
 
     lead = f"{p}.lead"
-    nodes.append(helper.make_node("Shape", [ids], [lead]))
+    nodes.append(helper.make_node("Shape", [ids], [f"{p}.ids_shape" if flat else lead]))
+    if flat:
+        nodes.append(helper.make_node("Reshape", [ids, const("one_row", np.asarray([1, -1], np.int64))], [f"{p}.ids"]))
+        nodes.append(helper.make_node("Shape", [f"{p}.ids"], [lead]))
+        ids = f"{p}.ids"
     blocks_shape, row_shape = f"{p}.blocks_shape", f"{p}.row_shape"
     nodes.append(
         helper.make_node(
             "Concat", [lead, const("nb_bs", np.asarray([nb, run.block], np.int64))], [blocks_shape], axis=0
         )
     )
-    nodes.append(helper.make_node("Concat", [lead, const("k", np.asarray([run.cols], np.int64))], [row_shape], axis=0))
+    row_lead = f"{p}.ids_shape" if flat else lead
+    nodes.append(
+        helper.make_node("Concat", [row_lead, const("k", np.asarray([run.cols], np.int64))], [row_shape], axis=0)
+    )
     last = const("last", np.asarray([-1], np.int64))
     fifteen, four, eight = (
         const("f", np.asarray(15, np.uint8)),

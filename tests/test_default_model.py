@@ -9,6 +9,7 @@ import torch
 from specgraph.runtime import Engine
 from specgraph.sampling import uniform_stream
 from tests.greedy import assert_same_greedy, assert_same_sampled, hf_greedy
+from tests.stored import float_copies
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64
@@ -71,6 +72,8 @@ def test_bundle_runs_the_gguf_blocks_as_stored(default):
     else:  # MatMulNBits: float32 scales and c'
         assert 110e6 < data < 125e6
     assert bundles["none"].manifest["eos_token_ids"] == [2]
+    # nor in any method's: EAGLE's drafter embeds its drafts through the same blocks
+    assert {method: float_copies(engine.bundle) for method, engine in bundles.items()} == dict.fromkeys(bundles, [])
 
 
 def test_sampled_text_is_the_same_for_every_method(default):

@@ -20,6 +20,7 @@ from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
 from tests.methods.test_draft import NEW_TOKENS, PROMPTS
 from tests.models.tiny import build
+from tests.stored import float_copies
 
 VOCAB = 256
 
@@ -355,6 +356,10 @@ def test_source_gguf_engine_equals_its_none_engine(tmp_path):
     # eagle keeps pairs for its verify calls and the same codes again in lanes for one-token calls
     one_row = {m: (w.pop("native_one_row_lanes", 0), w.pop("native_one_row_bytes", 0)) for m, w in weights.items()}
     stored = {m: w.pop("block_bytes") for m, w in weights.items()}
+    # the drafter embeds its drafts through the target's table: one more Gather of the same blocks
+    # a draft step (K = 3), and no float copy of the table
+    gathers = {m: w.pop("gathers") for m, w in weights.items()}
+    assert gathers == {"none": 1, "eagle": 4} and float_copies(tmp_path / "eagle") == []
     assert weights["eagle"] == weights["none"] and lanes["eagle"] == 0 and one_row["none"] == (0, 0)
     assert stored["eagle"] == stored["none"] + one_row["eagle"][1]
     if weights["none"]["kernels"] == "native":
