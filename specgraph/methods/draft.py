@@ -53,9 +53,11 @@ from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
 _I64 = torch.int64
 SELF = {"self:int4": 4, "self:int8": 8}  # the target's own weight-quantised copy
 _PREFIX = "draft_"  # the draft's module attribute, its cache names and its initializers start so
-ADAPT_STATE = ("draft_score", "draft_idle")  # `--adaptive`: per-row acceptance score, rounds without drafting
+# `--adaptive`: per-row acceptance score, rounds without drafting, and rounds to wait before a probe
+ADAPT_STATE = ("draft_score", "draft_idle", "draft_wait")
 ADAPT_DECAY = 0.75  # weight of a row's past rounds in its score
-PROBE_EVERY = 8  # rounds without drafting after which a row drafts one round again
+PROBE_EVERY = 8  # rounds without drafting after which a row drafts one round again (a probe) ...
+PROBE_MAX_WAIT = 64  # ... doubled after each probe that does not pay, up to this
 AUTO_MAX_DRAFT = 4  # --num-draft auto: the longest round it considers (the first build's K)
 AUTO_PROMPTS = "chat"  # --num-draft auto: the prompt sets acceptance is measured on by default
 AUTO_LIMIT, AUTO_TOKENS = 6, 48  # --num-draft auto: prompts per set, and new tokens per prompt
@@ -211,7 +213,11 @@ class ModelDrafts(StepEngine):
 
     def example_state(self, batch: int) -> list[torch.Tensor]:
         q = [torch.zeros(batch, self.num_draft, self.vocab_size)] if self.sampling else []
-        adapt = [torch.zeros(batch), torch.zeros(batch, dtype=_I64)] if self.adaptive else []
+        adapt = (
+            [torch.zeros(batch), torch.zeros(batch, dtype=_I64), torch.zeros(batch, dtype=_I64)]
+            if self.adaptive
+            else []
+        )
         return [*(torch.zeros(batch, *shape) for shape in self.draft_kv_shapes), *q, *adapt]
 
     def proposal(self, state):  # type: ignore[no-untyped-def]
@@ -241,21 +247,30 @@ class ModelDrafts(StepEngine):
     def _adapt(self, state, tokens, cache_len, cache_len_out):  # type: ignore[no-untyped-def]
         """Run-time draft length: K or 0 per row, from the row's own recent acceptance. A round
         that verified drafts moves the row's score towards (accepted drafts - threshold); a row
-        drafts next round while its score is >= 0, and after PROBE_EVERY rounds without drafting
-        it tries one round again. The exported engine skips the drafter entirely when no row
-        drafts (exporters/gate.py), so an idle round costs what a plain step costs. Lossless
-        either way: the count only decides how many drafts the next call verifies."""
-        score, idle = state[-2], state[-1]  # [B] float, [B] int64
+        drafts next round while its score is >= 0; a row that stopped tries one round again (a
+        probe) after `wait` rounds without drafting: PROBE_EVERY, doubled after each probe that
+        did not pay (fewer accepted drafts than the threshold; up to PROBE_MAX_WAIT), and
+        PROBE_EVERY again after one that did or once the score is back at 0 or above, so text
+        where drafting never pays pays for few probes. The exported
+        engine skips the drafter entirely when no row drafts (exporters/gate.py), so an idle round
+        costs what a plain step costs. Lossless either way: the count only decides how many drafts
+        the next call verifies."""
+        score, idle, wait = state[-3], state[-2], state[-1]  # [B] float, [B] int64, [B] int64 (0: PROBE_EVERY)
+        wait = torch.clamp(wait, min=PROBE_EVERY)
         # this call verified drafts (a prompt counts as a round that accepted all K); a tensor, so
         # the export keeps the token count dynamic
         drafted = torch.ones_like(tokens).sum(dim=1) > 1  # [B]
+        probe = drafted & (score < 0)  # a round drafted by a row that had stopped
         accepted = torch.clamp(cache_len_out - cache_len - 1, max=self.num_draft).to(score.dtype)  # [B]
         moved = ADAPT_DECAY * score + (1 - ADAPT_DECAY) * (accepted - self.draft_threshold)
         score = torch.where(drafted, moved, score)
         idle = torch.where(drafted, torch.zeros_like(idle), idle + 1)
-        wants = (score >= 0) | (idle >= PROBE_EVERY)  # [B]
+        paid = accepted >= self.draft_threshold
+        longer = torch.where(probe & ~paid, torch.clamp(2 * wait, max=PROBE_MAX_WAIT), wait)
+        wait = torch.where((score >= 0) | (probe & paid), torch.full_like(wait, PROBE_EVERY), longer)
+        wants = (score >= 0) | (idle >= wait)  # [B]
         n_draft = torch.where(wants, self.num_draft, 0).to(_I64)
-        return [score, idle, n_draft]
+        return [score, idle, wait, n_draft]
 
     def _propose(self, logits, at, params):  # type: ignore[no-untyped-def]
         """The draft token at positions `at` [B, 1] from the drafter's logits [B, 1, V], its q
@@ -557,7 +572,7 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     threshold = measured if threshold is None else threshold
     set_initializer(path, "draft_threshold", np.array([threshold], np.float32))
     return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "round_ms": round(round_s * 1e3, 2),
-            "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "gated_nodes": moved}  # fmt: skip
+            "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT, "gated_nodes": moved}  # fmt: skip
 
 
 def _time_gated(live: Any, engine: ModelDrafts, widths: Any) -> tuple[dict[int, float], float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.errors import InputError
@@ -236,6 +237,48 @@ def test_choose_draft_count_weighs_acceptance_against_the_measured_round():
     # a drafter that does not pay anywhere: the cheapest loss is kept, and reported below 1
     poor = choose_draft_count([0.1, 0.1, 0.1, 0.1], rounds, 10 * ms, 4)
     assert poor["chosen"] == 1 and poor["predicted_speedup"] < 1
+
+
+def _drafting_calls(accepts: list[int]) -> list[int]:
+    """The calls (0 = the prompt's) of one adaptive row (K = 1, threshold 0.5) that verify a
+    draft, when the i-th of them after the prompt's accepts `accepts[i]` drafts (0 once they run
+    out). The prompt's call counts as a round that accepted every draft."""
+    from types import SimpleNamespace
+
+    from specgraph.methods.draft import ModelDrafts
+
+    row = SimpleNamespace(num_draft=1, draft_threshold=torch.tensor([0.5]))
+    state = [torch.zeros(1), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    calls, width, accepts = [], 5, list(accepts)
+    for call in range(400):
+        if width > 1:
+            calls.append(call)
+        accepted = 1 if call == 0 else (accepts.pop(0) if accepts else 0) if width > 1 else 0
+        *state, n_draft = ModelDrafts._adapt(row, state, torch.zeros(1, width, dtype=torch.int64),
+                                             torch.zeros(1, dtype=torch.int64), torch.tensor([1 + accepted]))  # fmt: skip
+        width = 1 + int(n_draft[0])
+    return calls
+
+
+def test_probes_wait_twice_as_long_after_each_that_does_not_pay():
+    """`--adaptive`: a row whose drafts stop paying stops drafting, probes after PROBE_EVERY rounds,
+    then after twice as many after each probe that does not pay, up to PROBE_MAX_WAIT; a probe
+    that pays brings the short wait back."""
+    from specgraph.methods.draft import PROBE_EVERY, PROBE_MAX_WAIT
+
+    calls = _drafting_calls([])  # nothing is accepted after the prompt's call
+    gaps = [b - a for a, b in zip(calls[1:], calls[2:], strict=False)]
+    assert calls[:2] == [0, 1]  # the prompt's round paid: the first decode call drafts, then it stops
+    assert gaps[:5] == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 1, 4 * PROBE_EVERY + 1, PROBE_MAX_WAIT + 1,
+                        PROBE_MAX_WAIT + 1]  # fmt: skip
+    # the fifth probe accepts its draft (its score stays below 0), the next ones do not: the wait
+    # starts again from PROBE_EVERY
+    calls = _drafting_calls([0, 0, 0, 0, 0, 1])
+    gaps = [b - a for a, b in zip(calls[1:], calls[2:], strict=False)]
+    assert gaps[4:7] == [PROBE_MAX_WAIT + 1, PROBE_EVERY + 1, 2 * PROBE_EVERY + 1]
+    # a probe that brings the score back to 0 or above drafts again at once
+    calls = _drafting_calls([0, 0, 1])
+    assert [b - a for a, b in zip(calls[1:], calls[2:], strict=False)][:3] == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 1, 1]
 
 
 @pytest.mark.parametrize(
