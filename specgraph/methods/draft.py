@@ -57,7 +57,8 @@ _PREFIX = "draft_"  # the draft's module attribute, its cache names and its init
 ADAPT_STATE = ("draft_score", "draft_idle", "draft_wait")
 ADAPT_DECAY = 0.75  # weight of a row's past rounds in its score
 PROBE_EVERY = 8  # rounds without drafting after which a row drafts one round again (a probe) ...
-PROBE_MAX_WAIT = 64  # ... doubled after each probe that does not pay, up to this
+PROBE_MAX_WAIT = 64  # ... doubled after each probe that does not pay, up to this ...
+PROBE_BACKOFF_LOSS = 0.5  # ... where the probe cost more than this many plain steps (threshold - accepted)
 AUTO_MAX_DRAFT = 4  # --num-draft auto: the longest round it considers (the first build's K)
 AUTO_PROMPTS = "chat"  # --num-draft auto: the prompt sets acceptance is measured on by default
 AUTO_LIMIT, AUTO_TOKENS = 6, 48  # --num-draft auto: prompts per set, and new tokens per prompt
@@ -248,11 +249,13 @@ class ModelDrafts(StepEngine):
         """Run-time draft length: K or 0 per row, from the row's own recent acceptance. A round
         that verified drafts moves the row's score towards (accepted drafts - threshold); a row
         drafts next round while its score is >= 0; a row that stopped tries one round again (a
-        probe) after `wait` rounds without drafting: PROBE_EVERY, doubled after each probe that
-        did not pay (fewer accepted drafts than the threshold; up to PROBE_MAX_WAIT), and
-        PROBE_EVERY again after one that did or once the score is back at 0 or above, so text
-        where drafting never pays pays for few probes. The exported
-        engine skips the drafter entirely when no row drafts (exporters/gate.py), so an idle round
+        probe) after `wait` rounds without drafting: PROBE_EVERY, doubled (up to PROBE_MAX_WAIT)
+        after each probe that cost more than PROBE_BACKOFF_LOSS plain steps (the threshold, which
+        is a drafting round's cost in steps, less the drafts it accepted), and PROBE_EVERY again
+        after one that paid or once the score is back at 0 or above. So where a probe is dear
+        (stored weights here: a round costs 1.7-1.8 steps) text that never pays pays for few of
+        them, and where it is cheap (an fp32 target: 1.16 steps) rows that only dip below 0 come
+        back as soon as before. The exported engine skips the drafter entirely when no row drafts (exporters/gate.py), so an idle round
         costs what a plain step costs. Lossless either way: the count only decides how many drafts
         the next call verifies."""
         score, idle, wait = state[-3], state[-2], state[-1]  # [B] float, [B] int64, [B] int64 (0: PROBE_EVERY)
@@ -266,7 +269,8 @@ class ModelDrafts(StepEngine):
         score = torch.where(drafted, moved, score)
         idle = torch.where(drafted, torch.zeros_like(idle), idle + 1)
         paid = accepted >= self.draft_threshold
-        longer = torch.where(probe & ~paid, torch.clamp(2 * wait, max=PROBE_MAX_WAIT), wait)
+        dear = self.draft_threshold - accepted > PROBE_BACKOFF_LOSS
+        longer = torch.where(probe & dear, torch.clamp(2 * wait, max=PROBE_MAX_WAIT), wait)
         wait = torch.where((score >= 0) | (probe & paid), torch.full_like(wait, PROBE_EVERY), longer)
         wants = (score >= 0) | (idle >= wait)  # [B]
         n_draft = torch.where(wants, self.num_draft, 0).to(_I64)
@@ -572,7 +576,8 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     threshold = measured if threshold is None else threshold
     set_initializer(path, "draft_threshold", np.array([threshold], np.float32))
     return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "round_ms": round(round_s * 1e3, 2),
-            "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT, "gated_nodes": moved}  # fmt: skip
+            "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT,
+            "probe_backoff_loss": PROBE_BACKOFF_LOSS, "gated_nodes": moved}  # fmt: skip
 
 
 def _time_gated(live: Any, engine: ModelDrafts, widths: Any) -> tuple[dict[int, float], float]:

@@ -239,15 +239,15 @@ def test_choose_draft_count_weighs_acceptance_against_the_measured_round():
     assert poor["chosen"] == 1 and poor["predicted_speedup"] < 1
 
 
-def _drafting_calls(accepts: list[int]) -> list[int]:
-    """The calls (0 = the prompt's) of one adaptive row (K = 1, threshold 0.5) that verify a
-    draft, when the i-th of them after the prompt's accepts `accepts[i]` drafts (0 once they run
-    out). The prompt's call counts as a round that accepted every draft."""
+def _drafting_calls(accepts: list[int], threshold: float = 0.8) -> list[int]:
+    """The calls (0 = the prompt's) of one adaptive row (K = 1) that verify a draft, when the
+    i-th of them after the prompt's accepts `accepts[i]` drafts (0 once they run out). The
+    prompt's call counts as a round that accepted every draft."""
     from types import SimpleNamespace
 
     from specgraph.methods.draft import ModelDrafts
 
-    row = SimpleNamespace(num_draft=1, draft_threshold=torch.tensor([0.5]))
+    row = SimpleNamespace(num_draft=1, draft_threshold=torch.tensor([threshold]))
     state = [torch.zeros(1), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
     calls, width, accepts = [], 5, list(accepts)
     for call in range(400):
@@ -262,8 +262,9 @@ def _drafting_calls(accepts: list[int]) -> list[int]:
 
 def test_probes_wait_twice_as_long_after_each_that_does_not_pay():
     """`--adaptive`: a row whose drafts stop paying stops drafting, probes after PROBE_EVERY rounds,
-    then after twice as many after each probe that does not pay, up to PROBE_MAX_WAIT; a probe
-    that pays brings the short wait back."""
+    then after twice as many after each probe that costs more than half a plain step (here a
+    drafting round costs 1.8 steps: threshold 0.8), up to PROBE_MAX_WAIT; a probe that pays brings
+    the short wait back; where a round costs little more than a step, the wait never grows."""
     from specgraph.methods.draft import PROBE_EVERY, PROBE_MAX_WAIT
 
     calls = _drafting_calls([])  # nothing is accepted after the prompt's call
@@ -277,8 +278,12 @@ def test_probes_wait_twice_as_long_after_each_that_does_not_pay():
     gaps = [b - a for a, b in zip(calls[1:], calls[2:], strict=False)]
     assert gaps[4:7] == [PROBE_MAX_WAIT + 1, PROBE_EVERY + 1, 2 * PROBE_EVERY + 1]
     # a probe that brings the score back to 0 or above drafts again at once
-    calls = _drafting_calls([0, 0, 1])
-    assert [b - a for a, b in zip(calls[1:], calls[2:], strict=False)][:3] == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 1, 1]
+    calls = _drafting_calls([0, 1], threshold=0.6)
+    assert [b - a for a, b in zip(calls[1:], calls[2:], strict=False)][:2] == [PROBE_EVERY + 1, 1]
+    # cheap probes (a drafting round costs 1.3 steps) never wait longer
+    calls = _drafting_calls([], threshold=0.3)
+    gaps = [b - a for a, b in zip(calls[1:], calls[2:], strict=False)]
+    assert gaps[0] == 1 and set(gaps[1:]) == {PROBE_EVERY + 1}  # (its score stays above 0 one round longer)
 
 
 @pytest.mark.parametrize(
