@@ -7,6 +7,8 @@ settings after a colon: BUNDLE:TEMPERATURE[:TOP_K[:TOP_P]] (e.g. out/s-none:0.7:
     python scripts/ab_step.py out/smollm2-none out/s-none out/s-none:0.7 out/s-none:0.7:0:0.9
     ROUNDS=40 python scripts/ab_step.py out/a out/b     # more rounds (default: twice the arms)
     WIDTHS=1,2,4,8 python scripts/ab_step.py out/a out/b  # the call widths timed (default: 1,8)
+    FILL=draft_score=-1e9 python scripts/ab_step.py out/none out/eagle-adaptive  # state inputs set, where an arm has them
+                                                  # (here: every row's gate shut, so the drafter is skipped)
 """
 
 from __future__ import annotations
@@ -63,10 +65,13 @@ def main() -> None:
     print("arms:", sys.argv[1:])
     rounds = int(os.environ.get("ROUNDS", 2 * len(arms)))
     widths = [int(w) for w in os.environ.get("WIDTHS", "1,8").split(",")]
+    fills = dict(item.split("=") for item in os.environ.get("FILL", "").split(",") if item)
 
     def time_arm(i: int) -> dict[int, float]:
         engine, params = arms[i]
-        return {n: time_call(engine, n, 64, 15, params) * 1000 for n in widths}
+        inputs = {x.name for x in engine.session.get_inputs()}
+        fill = {name: float(value) for name, value in fills.items() if name in inputs} or None
+        return {n: time_call(engine, n, 64, 15, params, fill=fill) * 1000 for n in widths}
 
     print_ratios(run_rotated(len(arms), rounds, time_arm), len(arms), widths, rounds)
 
