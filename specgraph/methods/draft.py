@@ -255,9 +255,9 @@ class ModelDrafts(StepEngine):
         after one that paid or once the score is back at 0 or above. So where a probe is dear
         (stored weights here: a round costs 1.7-1.8 steps) text that never pays pays for few of
         them, and where it is cheap (an fp32 target: 1.16 steps) rows that only dip below 0 come
-        back as soon as before. The exported engine skips the drafter entirely when no row drafts (exporters/gate.py), so an idle round
-        costs what a plain step costs. Lossless either way: the count only decides how many drafts
-        the next call verifies."""
+        back as soon as before. The exported engine skips the drafter entirely when no row drafts
+        (exporters/gate.py), so an idle round costs what a plain step costs. Lossless either way:
+        the count only decides how many drafts the next call verifies."""
         score, idle, wait = state[-3], state[-2], state[-1]  # [B] float, [B] int64, [B] int64 (0: PROBE_EVERY)
         wait = torch.clamp(wait, min=PROBE_EVERY)
         # this call verified drafts (a prompt counts as a round that accepted all K); a tensor, so
