@@ -487,21 +487,36 @@ def _llama_cpp_peer(
 def _llama_cpp_section(
     head: dict[str, Any], runs: list[GenerationResult], peer_runs: list[GenerationResult], params: SamplingParams
 ) -> dict[str, Any]:
-    """{"llama_cpp": its rates and how many outputs equal ours, "engine_vs_llama_cpp": ratio}.
-    Outputs need not be equal: llama.cpp quantises activations for its dot products."""
+    """{"llama_cpp": its rates and how many outputs equal ours, "engine_vs_llama_cpp": the decode
+    ratio, "engine_vs_llama_cpp_prefill": the prompt ratio (median prompt tokens a second of each,
+    the prefill call that makes the first token, so the time to the first token)}. Outputs need
+    not be equal: llama.cpp quantises activations for its dot products."""
     if not peer_runs:
-        return {"llama_cpp": head, "engine_vs_llama_cpp": None}
+        return {"llama_cpp": head, "engine_vs_llama_cpp": None, "engine_vs_llama_cpp_prefill": None}
     tps = [round(r.tokens_per_s, 3) for r in peer_runs]
     median = statistics.median(tps)
     engine_tps = statistics.median(r.tokens_per_s for r in runs)
+    prefill = statistics.median(prefill_rate(r) for r in peer_runs)
+    engine_prefill = statistics.median(prefill_rate(r) for r in runs)
     section = head | {
         "median_tokens_per_s": round(median, 3),
         "tokens_per_s": tps,
         "median_prefill_s": round(statistics.median(r.prefill_s for r in peer_runs), 5),
+        "median_prefill_tokens_per_s": round(prefill, 3),
+        "engine_median_prefill_tokens_per_s": round(engine_prefill, 3),
         "matching_outputs": _matching(runs, [r.output_ids for r in peer_runs]) if params.greedy else None,
         "compared": len(peer_runs),
     }
-    return {"llama_cpp": section, "engine_vs_llama_cpp": round(engine_tps / median, 3) if median > 0 else None}
+    return {
+        "llama_cpp": section,
+        "engine_vs_llama_cpp": round(engine_tps / median, 3) if median > 0 else None,
+        "engine_vs_llama_cpp_prefill": round(engine_prefill / prefill, 3) if prefill > 0 else None,
+    }
+
+
+def prefill_rate(run: GenerationResult) -> float:
+    """Prompt tokens a second of a run's prefill (0 when it took no measurable time)."""
+    return len(run.prompt_ids) / run.prefill_s if run.prefill_s > 0 else 0.0
 
 
 def _matching(runs: list[GenerationResult], others: list[list[int]]) -> int:
@@ -769,7 +784,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 def _format_baseline(base: dict[str, Any]) -> list[str]:
     if "hf" not in base:  # a speculative bundle: llama.cpp only (HF and c(N) are the `none` bundle's)
-        return [_format_llama_cpp(base["llama_cpp"], base.get("engine_vs_llama_cpp"))]
+        return [_format_llama_cpp(base)]
     hf = base["hf"]
     if "error" in hf:
         hf_line = f"HF generate: {hf['error']}"
@@ -781,7 +796,7 @@ def _format_baseline(base: dict[str, Any]) -> list[str]:
         )  # fmt: skip
     lines = [hf_line]
     if "llama_cpp" in base:
-        lines.append(_format_llama_cpp(base["llama_cpp"], base.get("engine_vs_llama_cpp")))
+        lines.append(_format_llama_cpp(base))
     if "floor_tokens_per_s" in base:  # a report written before the weights section
         lines.append(
             f"read bandwidth {base['bandwidth_gb_s']:.1f} GB/s over {base['weight_bytes'] / 1e6:.1f} MB of weights:"
@@ -823,7 +838,10 @@ def _format_weights(w: dict[str, Any]) -> str:
     return line
 
 
-def _format_llama_cpp(peer: dict[str, Any], ratio: float | None) -> str:
+def _format_llama_cpp(base: dict[str, Any]) -> str:
+    """The baseline's llama.cpp lines: decode, then the prompts (reports written before the
+    prompts were compared have no second line)."""
+    peer, ratio, prefill = base["llama_cpp"], base.get("engine_vs_llama_cpp"), base.get("engine_vs_llama_cpp_prefill")
     if "median_tokens_per_s" not in peer:
         return f"llama.cpp: {peer.get('note') or peer.get('error')}"
     same = (
@@ -831,10 +849,16 @@ def _format_llama_cpp(peer: dict[str, Any], ratio: float | None) -> str:
         if peer["matching_outputs"] is not None
         else "sampled: its own sampler and random stream"
     )
-    return (
+    line = (
         f"llama.cpp {peer.get('version') or '?'} on {Path(peer['gguf']).name}: median {peer['median_tokens_per_s']:.1f}"
         f" tok/s (decode only); engine {_num(ratio, '.2f')}x  ({same})"
     )
+    if "median_prefill_tokens_per_s" in peer:
+        line += (
+            f"\nprompts (prefill, to the first token): llama.cpp median {peer['median_prefill_tokens_per_s']:.0f}"
+            f" tok/s, engine {peer['engine_median_prefill_tokens_per_s']:.0f} tok/s; engine {_num(prefill, '.2f')}x"
+        )
+    return line
 
 
 def _num(value: float | None, spec: str) -> str:

@@ -380,8 +380,13 @@ def test_run_bench_runs_llama_cpp_on_the_same_gguf(gguf_bundle, ids_file):
     assert all(tps > 0 for tps in peer["tokens_per_s"]) and peer["median_tokens_per_s"] > 0
     assert 0 <= peer["matching_outputs"] <= 3  # it quantises activations: equal outputs are not promised
     assert result["baseline"]["engine_vs_llama_cpp"] > 0
+    # the prompts side by side too: prompt tokens a second of each prefill, the time to the first token
+    assert peer["median_prefill_tokens_per_s"] > 0 and peer["engine_median_prefill_tokens_per_s"] > 0
+    ratio = peer["engine_median_prefill_tokens_per_s"] / peer["median_prefill_tokens_per_s"]
+    assert result["baseline"]["engine_vs_llama_cpp_prefill"] == pytest.approx(ratio, rel=1e-2)
     report = format_report(result)
     assert "llama.cpp " in report and "tok/s (decode only); engine" in report
+    assert "prompts (prefill, to the first token): llama.cpp median" in report
 
 
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
