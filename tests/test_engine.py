@@ -306,3 +306,12 @@ def test_adaptive_lookup_learns_from_sent_and_withheld_drafts():
     unseen, lucky = torch.tensor([[[0.0, 40.0], [0.0, 0.0], [0.0, 0.0]], [[0.0, 40.0], [0.0, 0.0], [1.0, 0.0]]])
     assert _draft_count(unseen[None], cost, torch.tensor([3])).item() == 0
     assert _draft_count(lucky[None], cost, torch.tensor([3])).item() == 1
+    # a row that has observed nothing starts at FIRST_RATE: it withholds where a second verified
+    # token is dear (it still learns from the withheld draft) and sends where it is cheap
+    dear, cheap = torch.tensor([1.0, 1.46, 1.8, 2.1, 2.5]), torch.tensor([1.0, 1.09, 1.18, 1.26, 1.3])
+    fresh = torch.zeros(1, 3, 2)
+    assert _draft_count(fresh, dear, torch.tensor([3])).item() == 0
+    assert _draft_count(fresh, cheap, torch.tensor([3])).item() >= 1
+    # one withheld draft that the target took is enough to start sending after that match length
+    taken = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]]])
+    assert _draft_count(taken, dear, torch.tensor([3])).item() >= 1

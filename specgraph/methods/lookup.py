@@ -36,6 +36,10 @@ _I64 = torch.int64
 ADAPT_STATE = ("lookup_stats", "lookup_last")
 ADAPT_DECAY = 0.8  # weight of a row's past observations of a match length in its acceptance rate
 PRIOR_WEIGHT = 2.0  # observations' worth of the row's rate over all match lengths in one length's rate
+# the rate a row starts from, worth 2 observations: below a dear verify's break-even (a second row
+# at 0.46 of a step at the stored weights here), above a cheap one's (0.09 at fp32). A row learns
+# for free while it withholds drafts (`_observe`), so it need not start by paying for them
+FIRST_RATE = 0.25
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def _measure_cost(staging: Path, engine: Any, num_draft: int) -> dict[str, Any]:
     cost = np.maximum.accumulate(ratios).astype(np.float32)
     set_initializer(staging / "model.onnx", "lookup_cost", cost)
     return {"cost": [round(float(c), 3) for c in cost], "c1_ms": round(curve["ms"][1], 2), "context": at,
-            "decay": ADAPT_DECAY, "prior_weight": PRIOR_WEIGHT, "per_match_length": True}  # fmt: skip
+            "decay": ADAPT_DECAY, "prior_weight": PRIOR_WEIGHT, "first_rate": FIRST_RATE, "per_match_length": True}  # fmt: skip
 
 
 def _record(history, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]
@@ -175,12 +179,14 @@ def _draft_count(stats, cost, matched):  # type: ignore[no-untyped-def]
     (1 + a + a^2 + ... + a^k) / cost[k], for each row's acceptance rate a after matches of this
     round's length `matched` [B] (0: no match, read as length 1; no draft is sent then anyway):
     (accepted + w p) / (accepted + rejected + w), a prior of weight w = PRIOR_WEIGHT centred on
-    the row's rate over all lengths, p = (all accepted + 1) / (all observed + 2), so that one
-    lucky round after a rare length does not send K drafts. Geometric acceptance: a draft is
-    accepted with probability a given the one before it was."""
+    the row's rate over all lengths, p = (all accepted + 2 FIRST_RATE) / (all observed + 2), so
+    that one lucky round after a rare length does not send K drafts, and a row that has seen
+    nothing yet withholds its drafts where a second verified token is dear (their first is still
+    checked, at no cost). Geometric acceptance: a draft is accepted with probability a given the
+    one before it was."""
     row = (matched.clamp(min=1) - 1)[:, None, None].expand(-1, 1, 2)  # [B, 1, 2]
     counts, pooled = stats.gather(1, row)[:, 0], stats.sum(dim=1)  # [B, 2] this length's, all lengths'
-    prior = (pooled[:, :1] + 1) / (pooled.sum(dim=1, keepdim=True) + 2)  # [B, 1]
+    prior = (pooled[:, :1] + 2 * FIRST_RATE) / (pooled.sum(dim=1, keepdim=True) + 2)  # [B, 1]
     rate = (counts[:, :1] + PRIOR_WEIGHT * prior) / (counts.sum(dim=1, keepdim=True) + PRIOR_WEIGHT)  # [B, 1]
     depth = torch.arange(1, cost.shape[0], dtype=stats.dtype)[None, :]  # [1, K]
     expected = torch.cat([torch.ones_like(rate), 1 + torch.cumsum(rate**depth, dim=1)], dim=1)  # [B, 1+K]
