@@ -55,7 +55,7 @@ SELF = {"self:int4": 4, "self:int8": 8}  # the target's own weight-quantised cop
 _PREFIX = "draft_"  # the draft's module attribute, its cache names and its initializers start so
 # `--adaptive`: per-row acceptance score, rounds without drafting, and rounds to wait before a probe
 ADAPT_STATE = ("draft_score", "draft_idle", "draft_wait")
-ADAPT_DECAY = 0.75  # weight of a row's past rounds in its score
+ADAPT_DECAY = 0.9  # weight of a row's past rounds in its score
 PROBE_EVERY = 8  # rounds without drafting after which a row drafts one round again (a probe) ...
 PROBE_MAX_WAIT = 64  # ... doubled after each probe that does not pay, up to this ...
 PROBE_BACKOFF_LOSS = 0.5  # ... where the probe cost more than this many plain steps (threshold - accepted)

@@ -286,6 +286,15 @@ def test_probes_wait_twice_as_long_after_each_that_does_not_pay():
     assert gaps[0] == 1 and set(gaps[1:]) == {PROBE_EVERY + 1}  # (its score stays above 0 one round longer)
 
 
+def test_a_row_whose_drafts_pay_on_average_drafts_through_runs_of_rejections():
+    """`--adaptive` with a cheap round (an fp32 target: threshold 0.13) and one draft in five
+    accepted, in runs of four rejections: drafting pays on average (0.2 > 0.13), and the row's
+    score, which weighs its past rounds by ADAPT_DECAY, stays at 0 or above, so it drafts every
+    round (with a shorter memory it stopped after each run and waited PROBE_EVERY rounds)."""
+    calls = _drafting_calls([1, 0, 0, 0, 0] * 20, threshold=0.13)
+    assert calls[:100] == list(range(100))
+
+
 @pytest.mark.parametrize(
     ("method", "options", "message"),
     [
