@@ -192,6 +192,8 @@ class ModelDrafts(StepEngine):
             self.trims = {"next_tokens": "n_draft"}  # bind next_tokens[:, :1 + max(n_draft)] only
             # accepted drafts per round below which drafting costs more than it returns (`finish` measures it)
             self.register_buffer("draft_threshold", torch.zeros(1))
+            # what the prompt's round counts as accepting: K, or the drafter's trained acceptance (`finish`)
+            self.register_buffer("draft_prior", torch.full((1,), float(num_draft)))
         # --draft-confidence: each row sends its drafts while their cumulative log-probability under
         # the drafter stays at least this (`_confident`); the drafter still runs all K steps
         self.confidence = confidence
@@ -260,11 +262,12 @@ class ModelDrafts(StepEngine):
         the count only decides how many drafts the next call verifies."""
         score, idle, wait = state[-3], state[-2], state[-1]  # [B] float, [B] int64, [B] int64 (0: PROBE_EVERY)
         wait = torch.clamp(wait, min=PROBE_EVERY)
-        # this call verified drafts (a prompt counts as a round that accepted all K); a tensor, so
-        # the export keeps the token count dynamic
+        # this call verified drafts (a prompt counts as a round that accepted `draft_prior` drafts:
+        # K, or what the drafter accepted in training); a tensor, so the export keeps the token count dynamic
         drafted = torch.ones_like(tokens).sum(dim=1) > 1  # [B]
         probe = drafted & (score < 0)  # a round drafted by a row that had stopped
         accepted = torch.clamp(cache_len_out - cache_len - 1, max=self.num_draft).to(score.dtype)  # [B]
+        accepted = torch.where(cache_len == 0, self.draft_prior.expand_as(accepted), accepted)
         moved = ADAPT_DECAY * score + (1 - ADAPT_DECAY) * (accepted - self.draft_threshold)
         score = torch.where(drafted, moved, score)
         idle = torch.where(drafted, torch.zeros_like(idle), idle + 1)
@@ -462,8 +465,13 @@ def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], s
         summary += f", sending the drafts whose joint drafter probability is {engine.confidence:g}+"
     if engine.adaptive:
         placeholder = Finished(section, draft_depth=engine.num_draft)
-        section["adaptive"] = finish_adaptive(staging, engine, placeholder, measure, opts.adaptive_threshold)
-        summary += f", adaptive (drafts while a round accepts {section['adaptive']['threshold']:.2f}+ drafts)"
+        prior = trained_accepted(section.get("trained", {}).get("acceptance"), engine.num_draft)
+        section["adaptive"] = finish_adaptive(staging, engine, placeholder, measure, opts.adaptive_threshold, prior)
+        adaptive = section["adaptive"]
+        summary += f", adaptive (drafts while a round accepts {adaptive['threshold']:.2f}+ drafts)"
+        if adaptive["prior"] < adaptive["threshold"]:
+            summary += (f"; the drafter accepted {adaptive['prior']:.2f} drafts a round in training, so drafting is "
+                        "not expected to pay here: rows start stopped and probe")  # fmt: skip
     return Finished(section, draft_depth=engine.num_draft, report={**section, "summary": summary})
 
 
@@ -558,12 +566,24 @@ def check_adaptive(adaptive: bool, threshold: float | None, num_draft: int) -> N
         raise InputError(f"--adaptive-threshold must be between 0 and --num-draft ({num_draft}), got {threshold}")
 
 
+def trained_accepted(acceptance: dict[str, Any] | None, k: int) -> float | None:
+    """Accepted drafts a K-draft round is expected to keep, from a drafter's held-out acceptance
+    per set: [depth 1, depth 2] (eagle/train.py; depth 2's rate kept further down) or one rate
+    for every depth (early_exit/train.py). The best set's a1 (1 + a2 + ... + a2^(K-1)); None
+    without it (a draft model)."""
+    if not acceptance:
+        return None
+    rates = [a if isinstance(a, list) else [a] for a in acceptance.values()]
+    return max(a[0] * sum(a[-1] ** i for i in range(k)) for a in rates if a)
+
+
 def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, measure: Measure,
-                    threshold: float | None = None) -> dict[str, Any]:  # fmt: skip
+                    threshold: float | None = None, prior: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Gate the staged engine's drafter (exporters/gate.py), then measure one round with drafts
     and one without at context 128, and set the threshold (unless given): the accepted drafts per
-    round at which drafting pays for itself (round time / idle time - 1). Returns the manifest's
-    description."""
+    round at which drafting pays for itself (round time / idle time - 1). `prior`: what the
+    prompt's round counts as accepting (default K), so that where the drafter's trained
+    acceptance is below the threshold rows start stopped. Returns the manifest's description."""
     from specgraph.exporters.onnx import set_initializer
 
     path = staging / "model.onnx"
@@ -575,7 +595,10 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     measured = round_s / idle_s - 1
     threshold = measured if threshold is None else threshold
     set_initializer(path, "draft_threshold", np.array([threshold], np.float32))
-    return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "round_ms": round(round_s * 1e3, 2),
+    prior = float(k) if prior is None else prior
+    set_initializer(path, "draft_prior", np.array([prior], np.float32))
+    return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "prior": round(prior, 4),
+            "round_ms": round(round_s * 1e3, 2),
             "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT,
             "probe_backoff_loss": PROBE_BACKOFF_LOSS, "gated_nodes": moved}  # fmt: skip
 

@@ -239,24 +239,24 @@ def test_choose_draft_count_weighs_acceptance_against_the_measured_round():
     assert poor["chosen"] == 1 and poor["predicted_speedup"] < 1
 
 
-def _drafting_calls(accepts: list[int], threshold: float = 0.8) -> list[int]:
+def _drafting_calls(accepts: list[int], threshold: float = 0.8, prior: float = 1.0) -> list[int]:
     """The calls (0 = the prompt's) of one adaptive row (K = 1) that verify a draft, when the
     i-th of them after the prompt's accepts `accepts[i]` drafts (0 once they run out). The
-    prompt's call counts as a round that accepted every draft."""
+    prompt's call counts as a round that accepted `prior` drafts (every draft by default)."""
     from types import SimpleNamespace
 
     from specgraph.methods.draft import ModelDrafts
 
-    row = SimpleNamespace(num_draft=1, draft_threshold=torch.tensor([threshold]))
+    row = SimpleNamespace(num_draft=1, draft_threshold=torch.tensor([threshold]), draft_prior=torch.tensor([prior]))
     state = [torch.zeros(1), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
-    calls, width, accepts = [], 5, list(accepts)
+    calls, width, accepts, at = [], 5, list(accepts), 0
     for call in range(400):
         if width > 1:
             calls.append(call)
         accepted = 1 if call == 0 else (accepts.pop(0) if accepts else 0) if width > 1 else 0
         *state, n_draft = ModelDrafts._adapt(row, state, torch.zeros(1, width, dtype=torch.int64),
-                                             torch.zeros(1, dtype=torch.int64), torch.tensor([1 + accepted]))  # fmt: skip
-        width = 1 + int(n_draft[0])
+                                             torch.tensor([at]), torch.tensor([at + 1 + accepted]))  # fmt: skip
+        width, at = 1 + int(n_draft[0]), at + 1 + accepted
     return calls
 
 
@@ -284,6 +284,19 @@ def test_probes_wait_twice_as_long_after_each_that_does_not_pay():
     calls = _drafting_calls([], threshold=0.3)
     gaps = [b - a for a, b in zip(calls[1:], calls[2:], strict=False)]
     assert gaps[0] == 1 and set(gaps[1:]) == {PROBE_EVERY + 1}  # (its score stays above 0 one round longer)
+
+
+def test_a_row_starts_stopped_where_the_drafter_is_not_expected_to_pay():
+    """`--adaptive` with a drafter whose trained acceptance (the prompt's round, `draft_prior`) is
+    below the threshold: the first decode call does not draft; the row's first draft is a probe
+    after PROBE_EVERY rounds. Above the threshold it drafts at once, as with the default prior K."""
+    from specgraph.methods.draft import PROBE_EVERY, trained_accepted
+
+    assert _drafting_calls([], threshold=0.8, prior=0.49)[:2] == [0, PROBE_EVERY + 1]
+    assert _drafting_calls([], threshold=0.13, prior=0.49)[:2] == [0, 1]
+    # the prior of a K-draft round: the best held-out set's a1 (1 + a2 + ...), one rate for early exit
+    assert trained_accepted({"chat": [0.4, 0.5], "code": [0.5, 0.2]}, 2) == pytest.approx(0.6)
+    assert trained_accepted({"chat": 0.5}, 3) == pytest.approx(0.875) and trained_accepted(None, 2) is None
 
 
 def test_a_row_whose_drafts_pay_on_average_drafts_through_runs_of_rejections():
