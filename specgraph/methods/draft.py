@@ -258,8 +258,9 @@ class ModelDrafts(StepEngine):
         (stored weights here: a round costs 1.7-1.8 steps) text that never pays pays for few of
         them, and where it is cheap (an fp32 target: 1.16 steps) rows that only dip below 0 come
         back as soon as before. The exported engine skips the drafter entirely when no row drafts
-        (exporters/gate.py), so an idle round costs what a plain step costs. Lossless either way:
-        the count only decides how many drafts the next call verifies."""
+        (exporters/gate.py), so an idle round costs about a plain step (3-6% more inside
+        generation: this rule's and the gate's nodes). Lossless either way: the count only
+        decides how many drafts the next call verifies."""
         score, idle, wait = state[-3], state[-2], state[-1]  # [B] float, [B] int64, [B] int64 (0: PROBE_EVERY)
         wait = torch.clamp(wait, min=PROBE_EVERY)
         # this call verified drafts (a prompt counts as a round that accepted `draft_prior` drafts:
@@ -267,7 +268,7 @@ class ModelDrafts(StepEngine):
         drafted = torch.ones_like(tokens).sum(dim=1) > 1  # [B]
         probe = drafted & (score < 0)  # a round drafted by a row that had stopped
         accepted = torch.clamp(cache_len_out - cache_len - 1, max=self.num_draft).to(score.dtype)  # [B]
-        accepted = torch.where(cache_len == 0, self.draft_prior.expand_as(accepted), accepted)
+        accepted = torch.where(cache_len == 0, self.draft_prior, accepted)
         moved = ADAPT_DECAY * score + (1 - ADAPT_DECAY) * (accepted - self.draft_threshold)
         score = torch.where(drafted, moved, score)
         idle = torch.where(drafted, torch.zeros_like(idle), idle + 1)
@@ -598,9 +599,9 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     prior = float(k) if prior is None else prior
     set_initializer(path, "draft_prior", np.array([prior], np.float32))
     return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "prior": round(prior, 4),
-            "round_ms": round(round_s * 1e3, 2),
-            "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY, "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT,
-            "probe_backoff_loss": PROBE_BACKOFF_LOSS, "gated_nodes": moved}  # fmt: skip
+            "round_ms": round(round_s * 1e3, 2), "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY,
+            "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT, "probe_backoff_loss": PROBE_BACKOFF_LOSS,
+            "gated_nodes": moved}  # fmt: skip
 
 
 def _time_gated(live: Any, engine: ModelDrafts, widths: Any) -> tuple[dict[int, float], float]:
