@@ -324,18 +324,30 @@ def _product_model(codes: np.ndarray, block: int, layout: str, rng, **attrs) -> 
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(NATIVE_DOMAIN, 1)])
 
 
-def test_the_portable_loops_compute_what_the_avx2_ones_do(tmp_path):
-    """$SPECGRAPH_KERNELS_PORTABLE makes the library take its portable loops on this machine (what a
-    CPU without AVX2 runs). The int8 product follows the AVX2 lane order, so it equals the AVX2
-    product to the bit; the float32 products (pairs, lanes, wide lanes, with a fused norm or
-    SwiGLU) and the attention sum in another order, so they agree to float rounding."""
+def _run_in_process(env: dict[str, str], folder, models: list, feeds: list[dict]) -> list[list[np.ndarray]]:  # type: ignore[no-untyped-def, type-arg]
+    """Each model's outputs from a process with `env` (the library picks its loops once, at load)."""
     import subprocess
     import sys
 
-    rng = np.random.default_rng(3)
-    n, k = 75, 96
+    for i, (model, feed) in enumerate(zip(models, feeds, strict=True)):
+        onnx.save(model, str(folder / f"{i}.onnx"))
+        np.savez(folder / f"{i}.npz", **feed)
+    subprocess.run([sys.executable, "-c", _RUN_PORTABLE, str(library_path()), str(folder), str(len(models))],
+                   env={**os.environ, **env}, check=True)  # fmt: skip
+    return [list(np.load(folder / f"{i}.out.npz").values()) for i in range(len(models))]
+
+
+def _run_here(model: onnx.ModelProto, feed: dict) -> list[np.ndarray]:  # type: ignore[type-arg]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(library_path()))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feed)
+
+
+def _product_cases(rng, n: int, k: int) -> list[tuple[str, onnx.ModelProto, bool]]:  # type: ignore[no-untyped-def]
+    """(name, one-node product, whether its float32 sums may reorder off the AVX2 loops)."""
     four, eight = rng.integers(0, 16, (n, k)), rng.integers(0, 256, (n, k))
-    cases = [
+    return [
         ("pairs", _product_model(four, 32, "pairs", rng), True),
         ("two digits", _product_model(eight, 16, "pairs", rng), True),
         ("lanes", _product_model(four, 32, "lanes", rng), True),
@@ -344,36 +356,32 @@ def test_the_portable_loops_compute_what_the_avx2_ones_do(tmp_path):
         ("int8", _product_model(four, 32, "pairs", rng, activation_bits=8), False),
         ("int8, two digits", _product_model(eight, 32, "pairs", rng, activation_bits=8), False),
     ]
-    glu = _product_model(four, 32, "pairs", rng, glu=1)
-    feeds = [{"x": rng.standard_normal((rows, k)).astype(np.float32)} for rows in (1, 5) for _ in cases]
+
+
+def test_the_portable_loops_compute_what_the_avx2_ones_do(tmp_path):
+    """$SPECGRAPH_KERNELS_PORTABLE makes the library take its portable loops on this machine (what a
+    CPU without AVX2 runs). The int8 product follows the AVX2 lane order, so it equals the AVX2
+    product to the bit; the float32 products (pairs, lanes, wide lanes, with a fused norm or
+    SwiGLU) and the attention sum in another order, so they agree to float rounding."""
+    rng = np.random.default_rng(3)
+    cases = _product_cases(rng, 75, 96)
+    glu = _product_model(rng.integers(0, 16, (75, 96)), 32, "pairs", rng, glu=1)
+    feeds = [{"x": rng.standard_normal((rows, 96)).astype(np.float32)} for rows in (1, 5) for _ in cases]
     models = [model for _rows in (1, 5) for _, model, _ in cases]
     names = [f"{name}, {rows} rows" for rows in (1, 5) for name, _, _ in cases]
     close = [c for _rows in (1, 5) for *_, c in cases]
     models.append(glu)
-    feeds.append({"x": rng.standard_normal((3, 2 * k)).astype(np.float32)})
+    feeds.append({"x": rng.standard_normal((3, 2 * 96)).astype(np.float32)})
     names.append("glu")
     close.append(True)
     models.append(_attention_model())
     feeds.append(_attention_feeds(rng, 2, 3, [4, 17], 64))
     names.append("attention")
     close.append(True)
-    for i, (model, feed) in enumerate(zip(models, feeds, strict=True)):
-        onnx.save(model, str(tmp_path / f"{i}.onnx"))
-        np.savez(tmp_path / f"{i}.npz", **feed)
-    env = {**os.environ, "SPECGRAPH_KERNELS_PORTABLE": "1"}
-    subprocess.run([sys.executable, "-c", _RUN_PORTABLE, str(library_path()), str(tmp_path), str(len(models))],
-                   env=env, check=True)  # fmt: skip
+    portable = _run_in_process({"SPECGRAPH_KERNELS_PORTABLE": "1"}, tmp_path, models, feeds)
     reordered = 0
     for i, (model, feed) in enumerate(zip(models, feeds, strict=True)):
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 2
-        options.register_custom_ops_library(str(library_path()))
-        avx2 = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
-            None, feed
-        )
-        portable = np.load(tmp_path / f"{i}.out.npz")
-        for j, want in enumerate(avx2):
-            got = portable[f"arr_{j}"]
+        for j, (want, got) in enumerate(zip(_run_here(model, feed), portable[i], strict=True)):
             if names[i] == "attention" and j > 0:  # a cache not bound in place: only its written slots are defined
                 ends = feed["seqlens"] + 1
                 got, want = (np.concatenate([c[b, :, :end] for b, end in enumerate(ends)], 1) for c in (got, want))
@@ -383,6 +391,35 @@ def test_the_portable_loops_compute_what_the_avx2_ones_do(tmp_path):
             else:
                 assert np.array_equal(got, want), names[i]
     assert reordered > 0  # the float32 sums' last bits differ somewhere: the portable loops did run
+
+
+def _kernels_path() -> str:
+    import ctypes
+
+    library = ctypes.CDLL(str(library_path()))
+    library.specgraph_kernels_path.restype = ctypes.c_char_p
+    return library.specgraph_kernels_path().decode()
+
+
+@pytest.mark.skipif(library_path() is None or not _kernels_path().startswith("avx512"),
+                    reason="this CPU has no AVX-512: the library runs its AVX2 loops, which the other tests check")  # fmt: skip
+def test_the_avx512_loops_equal_the_avx2_ones_to_the_bit(tmp_path):
+    """On a CPU with AVX-512 the products run two outputs a register with each lane doing the AVX2
+    loop's arithmetic, so every layout, row count and output tail gives the AVX2 loops' bits
+    ($SPECGRAPH_KERNELS_AVX2 makes the library take those): a `none` engine on one path and a
+    speculative one on the other would still agree, and so do the products with any other machine's."""
+    rng = np.random.default_rng(5)
+    models, feeds, names = [], [], []
+    for n, k in ((75, 96), (130, 64), (16, 128)):  # output tails of 11, 2 and 0 past a 16-output chunk
+        for name, model, _ in _product_cases(rng, n, k):
+            for rows in (1, 2, 3, 4, 5, 7):
+                models.append(model)
+                feeds.append({"x": rng.standard_normal((rows, k)).astype(np.float32)})
+                names.append(f"{name}, N {n}, K {k}, {rows} rows")
+    avx2 = _run_in_process({"SPECGRAPH_KERNELS_AVX2": "1"}, tmp_path, models, feeds)
+    for i, (model, feed) in enumerate(zip(models, feeds, strict=True)):
+        for want, got in zip(avx2[i], _run_here(model, feed), strict=True):
+            assert np.array_equal(got, want), names[i]
 
 
 def test_block_matmul_refuses_scales_of_the_wrong_shape_or_type():

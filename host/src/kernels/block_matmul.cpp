@@ -1,9 +1,12 @@
-// The block product (block_matmul.h): a portable loop, and an AVX2 one chosen at run time.
+// The block product (block_matmul.h): a portable loop, and AVX2 and AVX-512 ones chosen at run time.
 //
 // Per output n and input row r: y = sum_b d_b * T_b + sum_b c'_b * S_b (block_matmul.h), the
 // dequantised weight's product `sum_b sum_k x_k * (d_b * code_k + m_b)`, grouped by block.
 #include "block_matmul.h"
 
+// GCC 12's AVX-512 headers start some casts from an undefined register: a false -Wuninitialized.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <cmath>
@@ -13,6 +16,10 @@
 
 namespace sg::kernels {
 namespace {
+
+bool has_avx2();
+bool has_avx512();
+bool has_vnni();
 
 constexpr int kRowTile = 4;  // input rows that share one unpacking of a weight block
 constexpr int64_t kChunk = kScaleTile;  // outputs whose d and c' are unpacked together
@@ -205,6 +212,99 @@ __attribute__((target("avx2,fma,f16c"))) void lane_pass(const BlockWeights& w, c
     }
 }
 
+// AVX-512 (Intel's server cores here): two outputs a register, output a's chain in the low 8 lanes
+// and output a + 1's in the high 8. Each lane does exactly the AVX2 loop's arithmetic in its order,
+// so every product rounds as the AVX2 one does, to the bit, with half the instructions.
+#define SG_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"
+
+// lo in the low 8 lanes, hi in the high 8.
+__attribute__((target(SG_AVX512))) inline __m512i halves(int32_t lo, int32_t hi) {
+  return _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1);
+}
+__attribute__((target(SG_AVX512))) inline __m512 halves(float lo, float hi) {
+  return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
+}
+
+// The two chains' totals, each as hsum gives it.
+__attribute__((target(SG_AVX512))) inline void hsum_halves(__m512 v, float lo_unit, float hi_unit, float* lo, float* hi) {
+  *lo = hsum(_mm256_mul_ps(_mm512_castps512_ps256(v), _mm256_set1_ps(lo_unit)));
+  *hi = hsum(_mm256_mul_ps(_mm512_extractf32x8_ps(v, 1), _mm256_set1_ps(hi_unit)));
+}
+
+// lane_pass for the output pairs (O + 2i, O + 2i + 1), i < Q: a pair's codes come from one
+// register holding the 8 lanes twice, by one AND (with a shift first for the top output's half).
+template <int B, int R, int Q, int O, int H>
+__attribute__((target(SG_AVX512))) void lane_pass512(const BlockWeights& w, const uint32_t* lanes,
+                                                    const float* const* x, const float* d,
+                                                    float (*out)[kLaneOutputs]) {
+  constexpr int kTop = 32 / B - 1;
+  constexpr int kMask = (1 << B) - 1, kCentre = B == 4 ? 0 : 136;
+  const int64_t half = H ? H : w.block / 2, block = 2 * half, nb = w.k / block;
+  __m512i mask[Q], shift[Q], centre_at[Q];
+  for (int i = 0; i < Q; ++i) {
+    const int a = O + 2 * i, top = a + 1 == kTop;  // a is even and the top output odd
+    mask[i] = halves(kMask << (B * a), top ? kMask : kMask << (B * (a + 1)));
+    shift[i] = halves(0, top ? 32 - B : 0);
+    centre_at[i] = halves(kCentre << (B * a), top ? kCentre : kCentre << (B * (a + 1)));
+  }
+  __m512 acc[R][Q];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < Q; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 t[R][Q];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < Q; ++i) t[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < half; j += 8) {
+      for (int64_t at_input : {b * block + j, b * block + half + j}) {
+        if (O == 0) _mm_prefetch(reinterpret_cast<const char*>(lanes + at_input + w.k), _MM_HINT_T0);
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + at_input)));
+        __m512 xs[R];
+        for (int r = 0; r < R; ++r) xs[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r] + at_input));
+        for (int i = 0; i < Q; ++i) {
+          __m512i code = O + 2 * i + 1 == kTop ? _mm512_srlv_epi32(v, shift[i]) : v;
+          code = _mm512_and_si512(code, mask[i]);
+          if (kCentre) code = _mm512_sub_epi32(code, centre_at[i]);
+          const __m512 q = _mm512_cvtepi32_ps(code);
+          for (int r = 0; r < R; ++r) t[r][i] = _mm512_fmadd_ps(xs[r], q, t[r][i]);
+        }
+      }
+    }
+    for (int i = 0; i < Q; ++i) {
+      const __m512 s = halves(d[b * kChunk + O + 2 * i], d[b * kChunk + O + 2 * i + 1]);
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(t[r][i], s, acc[r][i]);
+    }
+  }
+  const float* unit = B == 4 ? kLaneUnit : kWideLaneUnit;
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < Q; ++i) {
+      const int a = O + 2 * i;
+      hsum_halves(acc[r][i], unit[a], unit[a + 1], &out[r][a], &out[r][a + 1]);
+    }
+}
+
+template <int B, int R, int Q, int O = 0>
+void lane_tile512(const BlockWeights& w, const uint32_t* lanes, const float* const* x, const float* d,
+                  float (*out)[kLaneOutputs]) {
+  if (w.block == 32) {
+    lane_pass512<B, R, Q, O, 16>(w, lanes, x, d, out);
+  } else {
+    lane_pass512<B, R, Q, O, 0>(w, lanes, x, d, out);
+  }
+  if constexpr (O + 2 * Q < 32 / B) lane_tile512<B, R, Q, O + 2 * Q>(w, lanes, x, d, out);
+}
+
+template <int B>
+void lane_rows512(const BlockWeights& w, int64_t rows, const uint32_t* lanes, const float* const* x, const float* d,
+                  float (*out)[kLaneOutputs]) {
+  constexpr int kPairs = 16 / B;  // every output of a lane: 4 pairs of 4-bit codes, 2 of 8-bit ones
+  switch (rows) {
+    case 1: lane_tile512<B, 1, kPairs>(w, lanes, x, d, out); break;
+    case 2: lane_tile512<B, 2, kPairs>(w, lanes, x, d, out); break;
+    case 3: lane_tile512<B, 3, kPairs / 2>(w, lanes, x, d, out); break;
+    default: lane_tile512<B, 4, kPairs / 2>(w, lanes, x, d, out); break;
+  }
+}
+
 // All outputs of a lane tile (8, or 4 for 8-bit codes) for rows [0, R), P at a time.
 template <int B, int R, int P, int O = 0>
 void lane_tile(const BlockWeights& w, const uint32_t* lanes, const float* const* x, const float* d,
@@ -233,6 +333,7 @@ void lane_rows(const BlockWeights& w, int64_t rows, const uint32_t* lanes, const
 // registers, and the block totals go to the stack once a block (measured 4% faster than two passes).
 void lanes_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, const float* d) {
   const int64_t per = lane_outputs(w);
+  const bool avx512 = has_avx512();
   float out[kRowTile][kLaneOutputs];
   for (int64_t first = 0; first < count; first += per) {
     const uint32_t* lanes = reinterpret_cast<const uint32_t*>(w.high) + ((n0 + first) / per) * w.k;
@@ -241,7 +342,9 @@ void lanes_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_
       const float* x[kRowTile];
       const int64_t rows = in.rows - r0 < kRowTile ? in.rows - r0 : kRowTile;
       for (int64_t r = 0; r < rows; ++r) x[r] = in.paired + (r0 + r) * w.k;
-      if (w.wide) {
+      if (avx512) {
+        w.wide ? lane_rows512<8>(w, rows, lanes, x, d + first, out) : lane_rows512<4>(w, rows, lanes, x, d + first, out);
+      } else if (w.wide) {
         lane_rows<8>(w, rows, lanes, x, d + first, out);
       } else {
         lane_rows<4>(w, rows, lanes, x, d + first, out);
@@ -331,12 +434,96 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const BlockWeights& w, c
   }
 }
 
+// 8 packed bytes of one output, then 8 of the next, widened to the low and the high 8 lanes.
+__attribute__((target(SG_AVX512))) inline __m512i widened_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+}
+
+// tile_avx2 on AVX-512: outputs n0 + 2i and n0 + 2i + 1 (i < Q) in one register's halves, each
+// lane's chain tile_avx2's, so the sums are its own to the bit.
+template <int R, int Q, bool Two, int H>
+__attribute__((target(SG_AVX512))) void tile512(const BlockWeights& w, const PreparedInput& in, float* y,
+                                               int64_t n_first, int64_t count, int64_t r0, const float* d_first) {
+  const int64_t nb = w.k / w.block, half = H ? H : w.block / 2, block = 2 * half;
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  const __m512i top = _mm512_set1_epi32(0xF0);
+  const __m512i centre_codes = _mm512_set1_epi32(static_cast<int>(centre(w, false)));
+  for (int64_t first = 0; first + 2 * Q <= count; first += 2 * Q) {
+    const int64_t n0 = n_first + first;
+    const float* d = d_first + first;
+    const float* x[R];
+    const uint8_t* hp[2 * Q];
+    const uint8_t* lp[2 * Q];
+    for (int r = 0; r < R; ++r) x[r] = in.paired + (r0 + r) * w.k;
+    for (int c = 0; c < 2 * Q; ++c) {
+      hp[c] = w.high + (n0 + c) * nb * half;
+      lp[c] = Two ? w.low + (n0 + c) * nb * half : nullptr;
+    }
+    __m512 acc[R][Q];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < Q; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 t[R][Q];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < Q; ++i) t[r][i] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < half; j += 8) {
+        __m512 xe[R], xo[R];
+        for (int r = 0; r < R; ++r) {
+          xe[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r] + j));
+          xo[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r] + half + j));
+        }
+        for (int i = 0; i < Q; ++i) {
+          const __m512i h = widened_pair(hp[2 * i] + j, hp[2 * i + 1] + j);
+          __m512i even, odd;
+          if (Two) {
+            const __m512i l = widened_pair(lp[2 * i] + j, lp[2 * i + 1] + j);
+            even = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(h, nibble), 4), _mm512_and_si512(l, nibble));
+            odd = _mm512_or_si512(_mm512_and_si512(h, top), _mm512_srli_epi32(l, 4));
+            even = _mm512_sub_epi32(even, centre_codes);
+            odd = _mm512_sub_epi32(odd, centre_codes);
+          } else {
+            even = _mm512_and_si512(h, nibble);
+            odd = _mm512_srli_epi32(h, 4);
+          }
+          const __m512 qe = _mm512_cvtepi32_ps(even);
+          const __m512 qo = _mm512_cvtepi32_ps(odd);
+          for (int r = 0; r < R; ++r) {
+            t[r][i] = _mm512_fmadd_ps(xe[r], qe, t[r][i]);
+            t[r][i] = _mm512_fmadd_ps(xo[r], qo, t[r][i]);
+          }
+        }
+      }
+      for (int i = 0; i < Q; ++i) {
+        const __m512 s = halves(d[b * kChunk + 2 * i], d[b * kChunk + 2 * i + 1]);
+        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(t[r][i], s, acc[r][i]);
+      }
+      for (int r = 0; r < R; ++r) x[r] += block;
+      for (int c = 0; c < 2 * Q; ++c) {
+        hp[c] += half;
+        if (Two) lp[c] += half;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < Q; ++i)
+        hsum_halves(acc[r][i], 1.0f, 1.0f, &y[(r0 + r) * w.n + n0 + 2 * i], &y[(r0 + r) * w.n + n0 + 2 * i + 1]);
+  }
+}
+
 // Rows [r0, r0 + R) for the chunk's outputs [n0, n0 + count): C outputs at a time, then one at a time.
+// On AVX-512 2Q outputs at a time (Q = C / 2, at least 1), and a last odd one by tile_avx2 (which
+// rounds alike).
 template <int R, int C, bool Two, int H>
 void columns_avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, int64_t r0,
                   const float* d) {
-  const int64_t whole = count / C * C;
-  tile_avx2<R, C, Two, H>(w, in, y, n0, whole, r0, d);
+  int64_t whole = count / C * C;
+  if (has_avx512()) {
+    constexpr int Q = C > 1 ? C / 2 : 1;
+    whole = count / (2 * Q) * (2 * Q);
+    tile512<R, Q, Two, H>(w, in, y, n0, whole, r0, d);
+  } else {
+    tile_avx2<R, C, Two, H>(w, in, y, n0, whole, r0, d);
+  }
   if (whole < count) tile_avx2<R, 1, Two, H>(w, in, y, n0 + whole, count - whole, r0, d + whole);
 }
 
@@ -406,11 +593,80 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile(const BlockWeights& w, c
   }
 }
 
+// digit_sums for two outputs' pairs of blocks at once, by VNNI's four-byte dot products: the same
+// integer per lane (no step saturates: 4 products of codes < 16 and |q| <= 127).
+__attribute__((target(SG_AVX512 ",avx512vnni"))) inline __m512i digit_sums512(__m512i packed, __m512i even_q, __m512i odd_q) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i even = _mm512_and_si512(packed, nibble);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), even, even_q), odd, odd_q);
+}
+
+// int8_tile on AVX-512 with VNNI: outputs n0 + 2i and n0 + 2i + 1 (i < Q) in one register's halves.
+template <int R, int Q, bool Two>
+__attribute__((target(SG_AVX512 ",avx512vnni"))) void int8_tile512(const BlockWeights& w, const PreparedInput& in, float* y,
+                                                                  int64_t n_first, int64_t count, int64_t r0,
+                                                                  const float* d_first) {
+  const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2, half = kInt8Block / 2;
+  for (int64_t first = 0; first + 2 * Q <= count; first += 2 * Q) {
+    const int64_t n0 = n_first + first;
+    const float* d = d_first + first;
+    __m512 acc[R][Q];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < Q; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const bool single = 2 * p + 1 == nb;
+      __m512i even_q[R], odd_q[R], centred[R];
+      __m512 steps[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * pairs + p;
+        even_q[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.codes + at * 64)));
+        odd_q[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.codes + at * 64 + 32)));
+        steps[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(in.steps + at * 8));
+        centred[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.centred + at * 8)));
+      }
+      for (int i = 0; i < Q; ++i) {
+        __m256 dv[2];
+        __m256i high[2], low[2];
+        for (int e = 0; e < 2; ++e) {  // output n0 + 2i + e: int8_tile's scales and codes
+          const int c = 2 * i + e;
+          const __m128 d_first_block = _mm_broadcast_ss(d + 2 * p * kChunk + c);
+          const __m128 d_second = single ? _mm_setzero_ps() : _mm_broadcast_ss(d + (2 * p + 1) * kChunk + c);
+          dv[e] = _mm256_set_m128(d_second, d_first_block);
+          const int64_t at = (n0 + c) * nb * half + 2 * p * half;
+          _mm_prefetch(reinterpret_cast<const char*>(w.high + at + 2 * Q * nb * half), _MM_HINT_T0);
+          if (Two) _mm_prefetch(reinterpret_cast<const char*>(w.low + at + 2 * Q * nb * half), _MM_HINT_T0);
+          high[e] = packed_pair(w.high + at, single);
+          low[e] = Two ? packed_pair(w.low + at, single) : _mm256_setzero_si256();
+        }
+        const __m512 scales = _mm512_insertf32x8(_mm512_castps256_ps512(dv[0]), dv[1], 1);
+        const __m512i codes_high = _mm512_inserti64x4(_mm512_castsi256_si512(high[0]), high[1], 1);
+        const __m512i codes_low = _mm512_inserti64x4(_mm512_castsi256_si512(low[0]), low[1], 1);
+        for (int r = 0; r < R; ++r) {
+          __m512i sum = digit_sums512(codes_high, even_q[r], odd_q[r]);
+          if (Two) sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 4), digit_sums512(codes_low, even_q[r], odd_q[r]));
+          const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, centred[r]));
+          acc[r][i] = _mm512_fmadd_ps(t, _mm512_mul_ps(steps[r], scales), acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < Q; ++i)
+        hsum_halves(acc[r][i], 1.0f, 1.0f, &y[(r0 + r) * w.n + n0 + 2 * i], &y[(r0 + r) * w.n + n0 + 2 * i + 1]);
+  }
+}
+
 template <int R, int C, bool Two>
 void int8_columns(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n0, int64_t count, int64_t r0,
                   const float* d) {
-  const int64_t whole = count / C * C;
-  int8_tile<R, C, Two>(w, in, y, n0, whole, r0, d);
+  int64_t whole = count / C * C;
+  if (has_vnni()) {  // as columns_avx2
+    constexpr int Q = C > 1 ? C / 2 : 1;
+    whole = count / (2 * Q) * (2 * Q);
+    int8_tile512<R, Q, Two>(w, in, y, n0, whole, r0, d);
+  } else {
+    int8_tile<R, C, Two>(w, in, y, n0, whole, r0, d);
+  }
   if (whole < count) int8_tile<R, 1, Two>(w, in, y, n0 + whole, count - whole, r0, d + whole);
 }
 
@@ -521,6 +777,21 @@ void avx2(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_be
 bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c") && !forced_portable();
+  return yes;
+}
+
+// AVX-512 F, BW, DQ and VL besides AVX2, unless $SPECGRAPH_KERNELS_AVX2 is set and not empty (tests
+// compare the two paths on one machine).
+bool has_avx512() {
+  static const bool yes = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                          !(std::getenv("SPECGRAPH_KERNELS_AVX2") && std::getenv("SPECGRAPH_KERNELS_AVX2")[0]);
+  return yes;
+}
+
+// and VNNI (the int8 products' four-byte dot products)
+bool has_vnni() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
   return yes;
 }
 
@@ -642,7 +913,9 @@ void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int6
   }
 }
 
-const char* block_matmul_path() { return has_avx2() ? "avx2" : "portable"; }
+const char* block_matmul_path() {
+  return has_vnni() ? "avx512-vnni" : has_avx512() ? "avx512" : has_avx2() ? "avx2" : "portable";
+}
 
 bool forced_portable() {
   const char* value = std::getenv("SPECGRAPH_KERNELS_PORTABLE");

@@ -90,7 +90,11 @@ void gated_silu(const float* x, int64_t rows, int64_t k, float* out);
 // y[r, n] for n in [n_begin, n_end), every row r. y is [rows, N]. With lanes, n_begin is a multiple of 8.
 void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end);
 
-// Which code path block_matmul takes on this CPU: "avx2" or "portable".
+// Which code path block_matmul takes on this CPU: "avx512-vnni", "avx512", "avx2" or "portable".
+// The AVX-512 loops hold two outputs' AVX2 chains in one register, lane for lane, so they give the
+// AVX2 loops' bits (VNNI's four-byte dot products give the int8 loop's integers); only the portable
+// float32 loops sum in another order. $SPECGRAPH_KERNELS_AVX2 set and not empty: AVX2 even where
+// AVX-512 exists (tests).
 const char* block_matmul_path();
 
 // $SPECGRAPH_KERNELS_PORTABLE is set and not empty: take the portable loops even where AVX2 exists
