@@ -132,7 +132,8 @@ def test_block_matmul_equals_the_dequantised_product(digits, lanes, block, offse
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_one_row_lanes_round_as_pairs_at_every_row_count(block, dtype):
     """Input 7 (`one_row`): the same one-digit codes again in lanes, which a call of one row reads
-    instead of the pairs: every call, one row or many, equals the pairs-only product to the bit.
+    instead of the pairs (every call, with AVX-512): every call, one row or many, equals the
+    pairs-only product to the bit.
     With two digits the extra lanes are refused in one line."""
     rng = np.random.default_rng(block)
     n, k = 203, 4 * block

@@ -913,6 +913,8 @@ void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int6
   }
 }
 
+bool lanes_are_faster(int64_t rows) { return rows == 1 || has_avx512(); }
+
 const char* block_matmul_path() {
   return has_vnni() ? "avx512-vnni" : has_avx512() ? "avx512" : has_avx2() ? "avx2" : "portable";
 }

@@ -90,6 +90,12 @@ void gated_silu(const float* x, int64_t rows, int64_t k, float* out);
 // y[r, n] for n in [n_begin, n_end), every row r. y is [rows, N]. With lanes, n_begin is a multiple of 8.
 void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end);
 
+// Whether a product of `rows` input rows is faster from one-digit codes in lanes than in pairs:
+// for one row everywhere; for every row count with AVX-512, whose lanes loop takes all 8 outputs of
+// a lane for 1-2 rows and 4 for 3-4 (measured on a 2-core Xeon: c(2) 0.91x, c(4) 0.94x, c(16) and
+// c(64) 0.94x of pairs; on AVX2 lanes cost a verify call more, docs/benchmarks.md).
+bool lanes_are_faster(int64_t rows);
+
 // Which code path block_matmul takes on this CPU: "avx512-vnni", "avx512", "avx2" or "portable".
 // The AVX-512 loops hold two outputs' AVX2 chains in one register, lane for lane, so they give the
 // AVX2 loops' bits (VNNI's four-byte dot products give the int8 loop's integers); only the portable

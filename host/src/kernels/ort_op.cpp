@@ -13,8 +13,9 @@
 // (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit;
 // with lane_bits = 8, wide lanes [ceil(N/4), K, 4] of 8-bit codes, 4 outputs a lane)
 // one_row: high's one-digit codes again, in lanes, which a call of one row reads instead (lanes are
-// faster for one row, pairs for several, and both round alike, to the bit: a speculative engine's
-// one-token rounds then cost what a `none` engine's steps do; float32 activations only).
+// faster for one row, pairs for several on AVX2, and both round alike, to the bit: a speculative
+// engine's one-token rounds then cost what a `none` engine's steps do; float32 activations only).
+// With AVX-512 lanes are faster at every row count, and every call reads them (lanes_are_faster).
 // activation_bits: 32 (the default) multiplies x as it is; 8 quantises x to int8 per block of 32
 // first (block_size 32, pairs layout only; block_matmul.h).
 //
@@ -231,7 +232,8 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   }
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < x_dims.size(); ++i) rows *= x_dims[i];
-  const bool one_row = in[7] && rows == 1;  // lanes round as pairs do, to the bit: any call agrees
+  // lanes round as pairs do, to the bit: any call agrees
+  const bool one_row = in[7] && sg::kernels::lanes_are_faster(rows);
 
   sg::kernels::BlockWeights w;
   w.n = kernel.n;
