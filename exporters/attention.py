@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from specgraph.exporters.gemm import drop_dead
 from specgraph.exporters.nbits import NATIVE_DOMAIN
@@ -42,12 +42,62 @@ def run_attention_natively(path: Path) -> int:
         return 0
     del graph.node[:]
     graph.node.extend(nodes)
+    packed = _read_packed_projections(graph)
     drop_dead(graph)
     if NATIVE_DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
     onnx.save_model(model, str(path))
-    logger.debug("%d attention layers run specgraph.CachedAttention", count)
+    logger.debug("%d attention layers run specgraph.CachedAttention, %d reading a packed projection", count, packed)
     return count
+
+
+def _read_packed_projections(graph: onnx.GraphProto) -> int:
+    """Let each `CachedAttention` whose q, k and v are the three parts of one `Split` (the fused
+    Q/K/V projection's, along the last axis) read the unsplit tensor: its k and v inputs are left
+    out, and the `Split` goes (a node of dispatch per layer). A `Shape` of q that reads no more than
+    its first two dimensions (the token count) reads the unsplit tensor instead, which has the same
+    ones; any other reader of a part keeps the `Split`. Returns how many layers now read packed."""
+    producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    small = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+    count = 0
+    for node in graph.node:
+        if node.op_type != "CachedAttention" or len(node.input) < 3:
+            continue
+        split = producer.get(node.input[0])
+        if split is None or split.op_type != "Split" or list(split.output) != list(node.input[:3]):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axis = {a.name: helper.get_attribute_value(a) for a in split.attribute}.get("axis", 0)
+        sizes = (
+            numpy_helper.to_array(small[split.input[1]]) if len(split.input) > 1 and split.input[1] in small else None
+        )
+        if axis not in (2, -1) or sizes is None or len(sizes) != 3:
+            continue
+        heads, kv_heads = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
+        d = int(sizes[0]) // heads
+        if [int(x) for x in sizes] != [heads * d, kv_heads * d, kv_heads * d]:
+            continue
+        shapes = [r for r in readers.get(node.input[0], []) if r is not node]
+        if any(r is not node for part in node.input[1:3] for r in readers.get(part, [])):
+            continue
+        if not all(r.op_type == "Shape" and _leading(r) for r in shapes):
+            continue
+        for r in shapes:
+            r.input[0] = split.input[0]
+        node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
+        count += 1
+    return count
+
+
+def _leading(shape: onnx.NodeProto) -> bool:
+    """A `Shape` node that reads only dimensions 0 and 1."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in shape.attribute}
+    end = attrs.get("end")
+    return end is not None and 0 < end <= 2 and attrs.get("start", 0) >= 0
 
 
 def _native(node: onnx.NodeProto) -> onnx.NodeProto | None:

@@ -540,6 +540,31 @@ def test_a_token_of_a_many_token_call_equals_it_computed_alone():
         assert np.array_equal(one[0, 0], many[0, 3])
 
 
+def _packed_attention_session() -> ort.InferenceSession:
+    graph = _attention_graph()
+    graph.node[0].input[1], graph.node[0].input[2] = "", ""  # q holds each token's q, k and v
+    del graph.input[1:3]
+    return _native_session(graph)
+
+
+@pytest.mark.parametrize(("batch", "tokens", "positions"), [(1, 1, [29]), (2, 3, [4, 17]), (1, 6, [200])])
+def test_cached_attention_reads_a_packed_projection_as_its_three_parts(batch, tokens, positions):
+    """k and v left out: q is [B, T, (H + 2 Hkv) D], the fused Q/K/V projection's output read
+    without a Split. Outputs and caches equal the three-input call's, bit for bit."""
+    feeds = _attention_feeds(np.random.default_rng(tokens), batch, tokens, positions, 64, max(positions) + tokens + 3)
+    split = _attention_session().run(None, feeds)
+    packed_feeds = {n: a for n, a in feeds.items() if n not in ("k", "v")}
+    packed_feeds["q"] = np.concatenate([feeds["q"], feeds["k"], feeds["v"]], axis=-1)
+    packed = _packed_attention_session().run(None, packed_feeds)
+    written = [p + tokens for p in positions]
+    for i, (got, want) in enumerate(zip(packed, split, strict=True)):
+        if i:  # a copied cache: only the slots up to the write are defined
+            got, want = (np.concatenate([c[b, :, :n] for b, n in enumerate(written)], 1) for c in (got, want))
+        assert np.array_equal(got, want)
+    with pytest.raises(Exception, match="do not have the shapes"):
+        _packed_attention_session().run(None, {**packed_feeds, "q": feeds["q"]})  # q without its k and v
+
+
 def test_cached_attention_refuses_what_does_not_fit_in_one_line():
     rng = np.random.default_rng(0)
     session = _attention_session()
@@ -567,6 +592,9 @@ def test_a_native_batched_verify_equals_each_row_verified_alone(tmp_path):
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("CachedAttention") == engine.manifest["weights"]["native_attention"] > 0
     assert not any(n.op_type == "If" and n.name.startswith("gqa.") for n in model.graph.node)
+    # each layer reads its fused Q/K/V projection whole: no Split between them
+    assert all(n.input[1] == n.input[2] == "" for n in model.graph.node if n.op_type == "CachedAttention")
+    assert "Split" not in ops
     prompts, drafts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43]], [[12, 13, 14], [44, 45, 46]]
     alone = []
     for prompt, draft in zip(prompts, drafts, strict=True):

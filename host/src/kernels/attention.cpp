@@ -182,7 +182,7 @@ void write_cache(const AttentionShape& s, const float* k, const float* v, const 
       const float* c = cos + (b * s.tokens + t) * half;
       const float* n = sin + (b * s.tokens + t) * half;
       for (int64_t g = 0; g < s.kv_heads; ++g) {
-        const int64_t src = ((b * s.tokens + t) * s.kv_heads + g) * d;
+        const int64_t src = (b * s.tokens + t) * (s.kv_stride ? s.kv_stride : s.kv_heads * d) + g * d;
         const int64_t dst = ((b * s.kv_heads + g) * s.slots + slot) * d;
         rotate(k + src, c, n, d, keys + dst);
         for (int64_t j = 0; j < d; ++j) values[dst + j] = v[src + j];
@@ -204,7 +204,7 @@ void cached_attention(const AttentionShape& s, const float* q, const float* cos,
     const float* value_rows = values + (b * s.kv_heads + g) * s.slots * d;
     for (int64_t t = 0; t < s.tokens; ++t) {
       const int64_t bt = b * s.tokens + t, visible = write_pos[b] + t + 1;
-      rotate(q + (bt * s.heads + h) * d, cos + bt * half, sin + bt * half, d, query.data());
+      rotate(q + bt * (s.q_stride ? s.q_stride : s.heads * d) + h * d, cos + bt * half, sin + bt * half, d, query.data());
       scores.resize(static_cast<size_t>(visible));
       if (avx2) {
         scores_avx2(query.data(), key_rows, visible, d, s.scale, scores.data());

@@ -18,9 +18,12 @@ struct AttentionShape {
   int64_t heads = 0, kv_heads = 0;     // H query heads share each of Hkv key/value heads
   int64_t head_dim = 0, slots = 0;     // D (even), S: the cache's capacity
   float scale = 0.0f;                  // of the scores, usually 1 / sqrt(D)
+  // floats from one token's queries (keys, values) to the next's: H*D (Hkv*D) when q, k and v are
+  // tensors of their own, (H + 2 Hkv) D when they are the three parts of one packed projection
+  int64_t q_stride = 0, kv_stride = 0;
 };
 
-// q [B, T, H*D] (before rotary); cos and sin [B, T, D/2] (the non-interleaved rotation:
+// q [B, T, H*D] (before rotary; token rows q_stride apart); cos and sin [B, T, D/2] (the non-interleaved rotation:
 // x1 * cos - x2 * sin, x2 * cos + x1 * sin over the two halves); keys and values [B, Hkv, S, D],
 // the cache with this call's tokens already written (write_cache); out [B, T, H*D]. Token t of
 // row b attends over slots [0, write_pos[b] + t]. Computes the (row, head) pairs [h_begin, h_end)
@@ -29,7 +32,8 @@ void cached_attention(const AttentionShape& s, const float* q, const float* cos,
                       const int64_t* write_pos, const float* keys, const float* values, float* out, int64_t h_begin,
                       int64_t h_end);
 
-// Write k and v [B, T, Hkv*D] (keys rotated) into the cache at slots write_pos[b] + t.
+// Write k and v [B, T, Hkv*D] (token rows kv_stride apart; keys rotated) into the cache at slots
+// write_pos[b] + t.
 void write_cache(const AttentionShape& s, const float* k, const float* v, const float* cos, const float* sin,
                  const int64_t* write_pos, float* keys, float* values);
 

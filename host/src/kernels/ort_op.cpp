@@ -24,6 +24,8 @@
 //   CachedAttention(q [B, T, H*D], k [B, T, Hkv*D], v (k's shape), past_key [B, Hkv, S, D],
 //                   past_value (its shape), seqlens int32 [B], cos [B, T, D/2], sin (cos's shape))
 //     -> out [B, T, H*D], present_key, present_value    attributes: num_heads, kv_num_heads, scale
+// k and v may both be left out: q is then [B, T, (H + 2 Hkv) D], each token's queries, keys and
+// values one after the other (the fused Q/K/V projection's output, read without a Split).
 //
 // GroupQueryAttention's inputs (seqlens[b] = the row's write position + T - 1), with the rotary
 // caches of the two RotaryEmbedding nodes it replaces. present_* are past_* with this call's keys
@@ -415,7 +417,12 @@ OrtStatus* attention_compute(void* kernel_ptr, OrtKernelContext* context) {
   std::vector<int64_t> dims[8];
   for (size_t i = 0; i < 8; ++i) {
     SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
-    SG_TRY(shape_of(in[i], dims[i]));
+    if (in[i]) SG_TRY(shape_of(in[i], dims[i]));
+  }
+  const bool packed = !in[1] && !in[2];  // q holds [q | k | v] of each token: one projection's output
+  if ((!in[1] || !in[2]) && !packed) return attention_fail("k and v are both given or both left out (packed in q)");
+  for (size_t i = 3; i < 8; ++i) {
+    if (!in[i]) return attention_fail("only k and v may be left out");
   }
   if (dims[3].size() != 4 || dims[0].size() != 3) return attention_fail("past_key is not [B, Hkv, S, D] or q not [B, T, H*D]");
   sg::kernels::AttentionShape s;
@@ -429,17 +436,26 @@ OrtStatus* attention_compute(void* kernel_ptr, OrtKernelContext* context) {
   const int64_t d = s.head_dim, half = d / 2;
   const std::vector<int64_t> q_shape{s.batch, s.tokens, s.heads * d}, kv_shape{s.batch, s.tokens, s.kv_heads * d};
   const std::vector<int64_t> cache{s.batch, s.kv_heads, s.slots, d}, rot{s.batch, s.tokens, half};
-  if (d % 2 || dims[0] != q_shape || dims[1] != kv_shape || dims[2] != kv_shape || dims[3] != cache ||
-      dims[4] != cache || dims[5] != std::vector<int64_t>{s.batch} || dims[6] != rot || dims[7] != rot) {
-    return attention_fail("inputs do not have the shapes [B, T, H*D], [B, T, Hkv*D] x2, [B, Hkv, S, D] x2, [B], "
-                          "[B, T, D/2] x2");
+  const std::vector<int64_t> packed_shape{s.batch, s.tokens, (s.heads + 2 * s.kv_heads) * d};
+  const bool qkv_ok = packed ? dims[0] == packed_shape : dims[0] == q_shape && dims[1] == kv_shape && dims[2] == kv_shape;
+  if (d % 2 || !qkv_ok || dims[3] != cache || dims[4] != cache || dims[5] != std::vector<int64_t>{s.batch} ||
+      dims[6] != rot || dims[7] != rot) {
+    return attention_fail("inputs do not have the shapes [B, T, H*D], [B, T, Hkv*D] x2 (or one [B, T, (H + 2 Hkv) D]), "
+                          "[B, Hkv, S, D] x2, [B], [B, T, D/2] x2");
   }
+  s.q_stride = packed ? packed_shape[2] : s.heads * d;
+  s.kv_stride = packed ? packed_shape[2] : s.kv_heads * d;
   const float *q = nullptr, *k = nullptr, *v = nullptr, *past_k = nullptr, *past_v = nullptr, *cos = nullptr,
               *sin = nullptr;
   const int32_t* seqlens = nullptr;
   SG_TRY(data_of(in[0], &q));
-  SG_TRY(data_of(in[1], &k));
-  SG_TRY(data_of(in[2], &v));
+  if (packed) {
+    k = q + s.heads * d;
+    v = k + s.kv_heads * d;
+  } else {
+    SG_TRY(data_of(in[1], &k));
+    SG_TRY(data_of(in[2], &v));
+  }
   SG_TRY(data_of(in[3], &past_k));
   SG_TRY(data_of(in[4], &past_v));
   SG_TRY(data_of(in[5], &seqlens));
@@ -497,7 +513,7 @@ const char* attention_name(const CustomOp*) { return "CachedAttention"; }
 int attention_input_type(const CustomOp*, size_t i) { return i == 5 ? kInt32 : kFloat; }
 size_t attention_input_count(const CustomOp*) { return 8; }
 size_t attention_output_count(const CustomOp*) { return 3; }
-int required(const CustomOp*, size_t) { return kRequired; }
+int attention_input_kind(const CustomOp*, size_t i) { return i == 1 || i == 2 ? kOptional : kRequired; }
 void attention_destroy(void* kernel) { delete static_cast<AttentionKernel*>(kernel); }
 
 CustomOp make_attention_op() {
@@ -506,7 +522,7 @@ CustomOp make_attention_op() {
   op.GetInputType = attention_input_type;
   op.GetInputTypeCount = attention_input_count;
   op.GetOutputTypeCount = attention_output_count;
-  op.GetInputCharacteristic = required;
+  op.GetInputCharacteristic = attention_input_kind;
   op.KernelDestroy = attention_destroy;
   op.CreateKernelV2 = attention_create;
   op.KernelComputeV2 = attention_compute;
