@@ -21,6 +21,12 @@ bool has_avx2();
 bool has_avx512();
 bool has_vnni();
 
+// The environment variable `name` is set and not empty.
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] != '\0';
+}
+
 constexpr int kRowTile = 4;  // input rows that share one unpacking of a weight block
 constexpr int64_t kChunk = kScaleTile;  // outputs whose d and c' are unpacked together
 
@@ -543,13 +549,33 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i packed_pair(const uint8_
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// Output n0 + c's part of pair p of blocks for int8_tile: its scales (the first block's in lanes
+// 0-3, the second's in 4-7, zero past the last block) and its packed digits (`low` zero for one
+// digit). The same blocks of the output `ahead` on are prefetched from memory while these compute
+// (9% off an int8 `none` step: the hardware prefetcher does not run far enough ahead).
+template <bool Two>
+__attribute__((target("avx2,fma,f16c"))) inline void int8_output(const BlockWeights& w, const float* d, int64_t n0,
+                                                                 int64_t c, int64_t p, int64_t ahead, __m256* dv,
+                                                                 __m256i* high, __m256i* low) {
+  const int64_t nb = w.k / kInt8Block, half = kInt8Block / 2;
+  const bool single = 2 * p + 1 == nb;
+  const __m128 d_first_block = _mm_broadcast_ss(d + 2 * p * kChunk + c);
+  const __m128 d_second = single ? _mm_setzero_ps() : _mm_broadcast_ss(d + (2 * p + 1) * kChunk + c);
+  *dv = _mm256_set_m128(d_second, d_first_block);
+  const int64_t at = (n0 + c) * nb * half + 2 * p * half;
+  _mm_prefetch(reinterpret_cast<const char*>(w.high + at + ahead * nb * half), _MM_HINT_T0);
+  if (Two) _mm_prefetch(reinterpret_cast<const char*>(w.low + at + ahead * nb * half), _MM_HINT_T0);
+  *high = packed_pair(w.high + at, single);
+  *low = Two ? packed_pair(w.low + at, single) : _mm256_setzero_si256();
+}
+
 // Rows [r0, r0 + R) of y for C outputs at a time of [n_first, n_first + count), int8 activations
 // (block_matmul.h): a pair of blocks' digits are unpacked once and multiplied into every row;
 // each (row, output) keeps its own chain, in int8_chain's order whatever R and C are.
 template <int R, int C, bool Two>
 __attribute__((target("avx2,fma,f16c"))) void int8_tile(const BlockWeights& w, const PreparedInput& in, float* y,
                                                         int64_t n_first, int64_t count, int64_t r0, const float* d_first) {
-  const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2, half = kInt8Block / 2;
+  const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2;
   for (int64_t first = 0; first + C <= count; first += C) {
     const int64_t n0 = n_first + first;
     const float* d = d_first + first;
@@ -557,7 +583,6 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile(const BlockWeights& w, c
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
-      const bool single = 2 * p + 1 == nb;
       __m256i even_q[R], odd_q[R];
       __m256 steps[R];
       __m256i centred[R];
@@ -569,17 +594,9 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile(const BlockWeights& w, c
         centred[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.centred + at * 8));
       }
       for (int c = 0; c < C; ++c) {
-        const __m128 d_first_block = _mm_broadcast_ss(d + 2 * p * kChunk + c);
-        const __m128 d_second = single ? _mm_setzero_ps() : _mm_broadcast_ss(d + (2 * p + 1) * kChunk + c);
-        const __m256 dv = _mm256_set_m128(d_second, d_first_block);
-        const int64_t at = (n0 + c) * nb * half + 2 * p * half;
-        // the same blocks of the output C rows on, from memory while these compute (9% off an
-        // int8 `none` step: the hardware prefetcher does not run far enough ahead)
-        _mm_prefetch(reinterpret_cast<const char*>(w.high + at + C * nb * half), _MM_HINT_T0);
-        if (Two) _mm_prefetch(reinterpret_cast<const char*>(w.low + at + C * nb * half), _MM_HINT_T0);
-        const __m256i high = packed_pair(w.high + at, single);
-        __m256i low = _mm256_setzero_si256();
-        if (Two) low = packed_pair(w.low + at, single);
+        __m256 dv;
+        __m256i high, low;
+        int8_output<Two>(w, d, n0, c, p, C, &dv, &high, &low);
         for (int r = 0; r < R; ++r) {
           __m256i sum = digit_sums(high, even_q[r], odd_q[r]);
           if (Two) sum = _mm256_add_epi32(_mm256_slli_epi32(sum, 4), digit_sums(low, even_q[r], odd_q[r]));
@@ -607,7 +624,7 @@ template <int R, int Q, bool Two>
 __attribute__((target(SG_AVX512 ",avx512vnni"))) void int8_tile512(const BlockWeights& w, const PreparedInput& in, float* y,
                                                                   int64_t n_first, int64_t count, int64_t r0,
                                                                   const float* d_first) {
-  const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2, half = kInt8Block / 2;
+  const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2;
   for (int64_t first = 0; first + 2 * Q <= count; first += 2 * Q) {
     const int64_t n0 = n_first + first;
     const float* d = d_first + first;
@@ -615,7 +632,6 @@ __attribute__((target(SG_AVX512 ",avx512vnni"))) void int8_tile512(const BlockWe
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < Q; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
-      const bool single = 2 * p + 1 == nb;
       __m512i even_q[R], odd_q[R], centred[R];
       __m512 steps[R];
       for (int r = 0; r < R; ++r) {
@@ -628,17 +644,7 @@ __attribute__((target(SG_AVX512 ",avx512vnni"))) void int8_tile512(const BlockWe
       for (int i = 0; i < Q; ++i) {
         __m256 dv[2];
         __m256i high[2], low[2];
-        for (int e = 0; e < 2; ++e) {  // output n0 + 2i + e: int8_tile's scales and codes
-          const int c = 2 * i + e;
-          const __m128 d_first_block = _mm_broadcast_ss(d + 2 * p * kChunk + c);
-          const __m128 d_second = single ? _mm_setzero_ps() : _mm_broadcast_ss(d + (2 * p + 1) * kChunk + c);
-          dv[e] = _mm256_set_m128(d_second, d_first_block);
-          const int64_t at = (n0 + c) * nb * half + 2 * p * half;
-          _mm_prefetch(reinterpret_cast<const char*>(w.high + at + 2 * Q * nb * half), _MM_HINT_T0);
-          if (Two) _mm_prefetch(reinterpret_cast<const char*>(w.low + at + 2 * Q * nb * half), _MM_HINT_T0);
-          high[e] = packed_pair(w.high + at, single);
-          low[e] = Two ? packed_pair(w.low + at, single) : _mm256_setzero_si256();
-        }
+        for (int e = 0; e < 2; ++e) int8_output<Two>(w, d, n0, 2 * i + e, p, 2 * Q, &dv[e], &high[e], &low[e]);
         const __m512 scales = _mm512_insertf32x8(_mm512_castps256_ps512(dv[0]), dv[1], 1);
         const __m512i codes_high = _mm512_inserti64x4(_mm512_castsi256_si512(high[0]), high[1], 1);
         const __m512i codes_low = _mm512_inserti64x4(_mm512_castsi256_si512(low[0]), low[1], 1);
@@ -785,7 +791,7 @@ bool has_avx2() {
 bool has_avx512() {
   static const bool yes = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                          !(std::getenv("SPECGRAPH_KERNELS_AVX2") && std::getenv("SPECGRAPH_KERNELS_AVX2")[0]);
+                          !env_flag("SPECGRAPH_KERNELS_AVX2");
   return yes;
 }
 
@@ -919,9 +925,6 @@ const char* block_matmul_path() {
   return has_vnni() ? "avx512-vnni" : has_avx512() ? "avx512" : has_avx2() ? "avx2" : "portable";
 }
 
-bool forced_portable() {
-  const char* value = std::getenv("SPECGRAPH_KERNELS_PORTABLE");
-  return value != nullptr && value[0] != '\0';
-}
+bool forced_portable() { return env_flag("SPECGRAPH_KERNELS_PORTABLE"); }
 
 }  // namespace sg::kernels
