@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("bundle")
     parser.add_argument("--tokens", type=int, default=1, help="tokens verified per call")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--nodes", type=int, default=0, help="also list this many of the dearest single nodes")
     args = parser.parse_args()
     engine = Engine(args.bundle, threads=2, verify=False)
     options = ort.SessionOptions()
@@ -40,14 +41,18 @@ def main() -> None:
     events = json.load(open(engine.session.end_profiling()))
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
+    per_node: dict[tuple[str, str], float] = defaultdict(float)
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             total[e["args"]["op_name"]] += e["dur"] / 1000 / (args.calls + 1)
             count[e["args"]["op_name"]] += 1
+            per_node[e["args"]["op_name"], e["name"].removesuffix("_kernel_time")] += e["dur"] / 1000 / (args.calls + 1)
     runs = [e["dur"] / 1000 for e in events if e.get("name") == "model_run"]
     print(f"profiled call: median {np.median(runs):.2f} ms; node time {sum(total.values()):.2f} ms")
     for op, ms in sorted(total.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {op:24s} {ms:7.2f} ms  {count[op] / (args.calls + 1):5.0f} nodes")
+    for (op, name), ms in sorted(per_node.items(), key=lambda kv: -kv[1])[: args.nodes]:
+        print(f"  {ms:7.3f} ms  {op:20s} {name}")
     arms = {t: Engine(args.bundle, threads=t, verify=False) for t in (1, 2)}
     times: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(4):  # interleaved

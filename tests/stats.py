@@ -49,6 +49,8 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
     own = {"lookup": {"num_draft": 3}, "medusa": {"heads": str(heads), "tree": str(tree)},
            "draft": {"draft": str(draft), "num_draft": 3},
            "eagle": {"eagle": str(eagle), "num_draft": 3}}.get(name, {})  # fmt: skip
+    if method == "medusa-chain":  # the chain engine: the heads' argmax drafts (point masses), 3 a round
+        own = {"heads": str(heads), "num_draft": 3, "adaptive": False}
     if method.endswith("-adaptive"):  # a threshold that switches drafting on and off within three tokens
         own = {**own, "adaptive": True, "adaptive_threshold": 2.5}
     if method.endswith("-confident"):  # the untrained drafter's greedy drafts: 1 to 3 of them are this sure

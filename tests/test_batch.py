@@ -12,7 +12,6 @@ import pytest
 from specgraph import methods
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.errors import InputError
-from specgraph.methods.medusa import MedusaOptions
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams, uniform_stream
 from specgraph.step import MAX_BATCH
@@ -54,10 +53,11 @@ def bundle(tiny_bundle, tiny_folder, tmp_path_factory):
                                        eagle=str(drafter), num_draft=3)  # fmt: skip
                 compile_model(cfg)
                 cache[method] = cfg.output
-            elif methods.get(method).options_type is MedusaOptions:
+            elif method.startswith("medusa"):  # medusa: the chain engine (the default); medusa-tree: the tree engine
                 tmp = tmp_path_factory.mktemp("batch_medusa")
-                cfg = CompileConfig.of(tiny_folder("llama"), tmp / "bundle", method, max_context=160,
-                                     heads=str(_heads(tmp)))  # fmt: skip
+                tree = {"tree": "default"} if method == "medusa-tree" else {}
+                cfg = CompileConfig.of(tiny_folder("llama"), tmp / "bundle", "medusa", max_context=160,
+                                       heads=str(_heads(tmp)), **tree)  # fmt: skip
                 compile_model(cfg)
                 cache[method] = cfg.output
             else:
@@ -73,7 +73,7 @@ def _rounds_differ(results) -> bool:
     return any(len({r.accepted_per_step[i] for r in results}) > 1 for i in range(rounds))
 
 
-@pytest.mark.parametrize("method", methods.names())
+@pytest.mark.parametrize("method", [*methods.names(), "medusa-tree"])
 def test_ragged_batch_equals_each_row_alone_and_hf_greedy(method, bundle, model):
     engine = Engine(bundle(method))
     batch = engine.generate_batch(ROWS, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
@@ -84,14 +84,14 @@ def test_ragged_batch_equals_each_row_alone_and_hf_greedy(method, bundle, model)
         assert len(result.output_ids) == NEW_TOKENS and result.stop_reason == "max_new_tokens"
         assert_same_greedy(model, row, result.output_ids, hf_greedy(model, row, NEW_TOKENS))
     counts = [n for r in batch for n in r.accepted_per_step]
-    if methods.get(method).speculative:
+    if methods.get(method.removesuffix("-tree")).speculative:
         assert max(counts) > 1, f"{method} accepted no draft in {len(counts)} rounds"
         assert _rounds_differ(batch), f"{method}: every round accepted the same count in every row"
     else:
         assert set(counts) == {1}
 
 
-@pytest.mark.parametrize("method", methods.names())
+@pytest.mark.parametrize("method", [*methods.names(), "medusa-tree"])
 def test_padding_equal_to_the_target_s_tokens_is_accepted_as_drafts(method, bundle):
     """The contract behind ragged prefill: a row's tokens after its n_fixed are drafts. Pad the
     short row with its own greedy continuation: a chain engine keeps those drafts and emits them
@@ -116,7 +116,7 @@ def test_a_one_token_row_padded_to_the_tree_size_is_verified_as_a_tree(bundle, m
     """The tree engine takes a row with n_fixed 1 and as many tokens as tree nodes for a tree
     step: a 1-token prompt padded to exactly that many tokens is verified as a tree of padding
     drafts, which is still the target's greedy text."""
-    engine = Engine(bundle("medusa"))
+    engine = Engine(bundle("medusa-tree"))
     nodes = engine.manifest["medusa"]["tree_size"]
     rows = [[42], [1 + (7 * i) % 255 for i in range(nodes)]]  # no id 0: hf_greedy pads with it
     batch = engine.generate_batch(rows, max_new_tokens=24, stop_at_eos=False)
@@ -129,6 +129,7 @@ def test_a_one_token_row_padded_to_the_tree_size_is_verified_as_a_tree(bundle, m
 # shared equality rule; `draft`, `eagle` and `early-exit` sample their drafts (the general rule, min(1, p/q)),
 # so their text equals `none`'s in law only (tests/test_sampling.py): here they are tested greedy.
 SEEDED = [m for m in methods.names() if methods.get(m).speculative and m not in ("draft", "eagle", "early-exit")]
+SEEDED += ["medusa-tree"]  # medusa's chain and tree engines both draft point masses
 
 
 @pytest.mark.parametrize("method", SEEDED)

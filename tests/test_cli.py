@@ -210,7 +210,7 @@ def test_a_mismatched_weight_is_named_not_an_above_report(capsys, tmp_path, tiny
         (["--method", "eagle", "--num-draft", "auto", "--auto-prompts", "nowhere.jsonl"], "no such prompt file"),
         (
             ["--method", "lookup", "--auto-prompts", "chat"],
-            "--auto-prompts is a --method draft/eagle/early-exit option",
+            "--auto-prompts is a --method medusa/draft/eagle/early-exit option",
         ),
     ],
 )

@@ -90,9 +90,11 @@ def bundles(tiny_bundle, tiny_folder, tmp_path_factory) -> dict[str, Path]:
         heads.bias.normal_(0, 0.05)
     save_heads(tmp / "heads.safetensors", heads, {"vocab_size": VOCAB, "model": "tiny",
                                                   "acceptance": [[0.5, 0.2, 0.1] + [0.01] * 7] * 4})  # fmt: skip
-    medusa = tmp / "bundle"
+    medusa, tree = tmp / "bundle", tmp / "tree_bundle"  # the chain engine (the default), and the tree engine
     specgraph.compile(tiny_folder("llama"), medusa, method="medusa", max_context=160,
                       heads=str(tmp / "heads.safetensors"))  # fmt: skip
+    specgraph.compile(tiny_folder("llama"), tree, method="medusa", max_context=160,
+                      heads=str(tmp / "heads.safetensors"), tree="default")  # fmt: skip
     draft = tmp / "draft_bundle"
     specgraph.compile(tiny_folder("llama"), draft, method="draft", max_context=160, num_draft=3,
                       draft=str(save("llama", tmp / "other_llama", seed=7)))  # fmt: skip
@@ -102,7 +104,7 @@ def bundles(tiny_bundle, tiny_folder, tmp_path_factory) -> dict[str, Path]:
     specgraph.compile(tiny_folder("llama"), eagle, method="eagle", max_context=160, num_draft=3, eagle=str(drafter),
                       adaptive=True, adaptive_threshold=1.5)  # fmt: skip
     return {"none": tiny_bundle("llama", "none"), "lookup": tiny_bundle("llama", "lookup"), "medusa": medusa,
-            "draft": draft, "eagle": eagle}  # fmt: skip
+            "medusa-tree": tree, "draft": draft, "eagle": eagle}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -169,7 +171,7 @@ def test_sha256_matches_hashlib(host, tmp_path):
         assert done.stdout.strip() == hashlib.sha256(data).hexdigest(), size
 
 
-@pytest.mark.parametrize("method", ["lookup", "medusa"])
+@pytest.mark.parametrize("method", ["lookup", "medusa-tree"])
 def test_every_ort_slot_does_what_its_index_promises(host, ort_lib, bundles, method):
     """Each declared slot of ONNX Runtime's API table is called and answers as that function must
     (docs/host.md lists the evidence per slot); the library is 1.32.0 and offers API version 32."""
@@ -184,7 +186,7 @@ def test_every_ort_slot_does_what_its_index_promises(host, ort_lib, bundles, met
 # --- the same tokens as the Python host ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "draft", "eagle"])
+@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "medusa-tree", "draft", "eagle"])
 def test_same_tokens_as_python(host, ort_lib, bundles, engines, method):
     """Greedy and seeded sampling (T 0.7 with top-p 0.9, with and without top-k; top-k alone)."""
     for prompt in PROMPTS:
@@ -194,7 +196,7 @@ def test_same_tokens_as_python(host, ort_lib, bundles, engines, method):
     assert set(got) >= {"tokens_per_s", "prefill_s", "decode_s"}
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "medusa"])
+@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "medusa-tree"])
 def test_stops_like_python(host, ort_lib, bundles, engines, method, tmp_path):
     """max_context (the budget outlasts the cache), and EOS inside a round: a copy of the bundle
     names as EOS a token the model emits mid-output (the manifest itself carries no checksum)."""

@@ -1,9 +1,11 @@
-"""Medusa: heads, tree verification with KV compaction, tree files and auto trees, bad input."""
+"""Medusa: heads, the chain engine, tree verification with KV compaction, tree files and auto
+trees, bad input."""
 
 from __future__ import annotations
 
 import json
 
+import onnx
 import pytest
 import torch
 
@@ -49,6 +51,70 @@ def test_medusa_greedy_matches_hf_generate(family, tree, tiny_folder, tmp_path):
     if tree == "mc_sim_7b_63":
         assert engine.manifest["medusa"]["tree_size"] == 64
         assert max(accepted) > 2.0  # the tiny model repeats itself: deep branches get accepted and compacted
+
+
+@pytest.mark.parametrize(("family", "options"), [("llama", {}), ("gemma3", {"num_draft": 3, "adaptive": False}),
+                                                ("gpt2", {"num_draft": 4, "adaptive": False})])  # fmt: skip
+def test_chain_greedy_and_seeded_match_none(family, options, tiny_folder, tiny_bundle, tmp_path):
+    """`--tree chain` (the default): heads 1..K's argmax drafts on the chain engine, with its fused
+    attention and no cache moves: greedy text is HF's, and seeded text is plain sampling's token
+    for token (the drafts are point masses, verified by the one-hot rule)."""
+    out = tmp_path / "b"
+    compile_model(CompileConfig.of(model=str(tiny_folder(family)), output=out, method="medusa", max_context=320,
+                                   heads=str(_heads(tmp_path)), **options))  # fmt: skip
+    engine, none = Engine(out), Engine(tiny_bundle(family, "none"))
+    section = engine.manifest["medusa"]
+    assert section["tree"] == "chain" and section["num_draft"] == options.get("num_draft", 1)
+    assert ("adaptive" in section) == (options.get("adaptive") is not False)
+    assert section["weights"]["weights"] == "int8" and section["weights"]["matmuls"] >= 1
+    ops = [[n.op_type for n in onnx.load(str(b / "model.onnx"), load_external_data=False).graph.node]
+           for b in (out, none.bundle)]  # fmt: skip
+    # cache writes as `none`'s (no compaction), and the attention fused alike
+    for op in ("TensorScatter", "GroupQueryAttention"):
+        assert ops[0].count(op) == ops[1].count(op)
+    assert "draft_q" not in {i.name for i in engine.session.get_inputs()}  # point masses: no q carried
+    model = build(family)
+    accepted = []
+    for i, prompt in enumerate(PROMPTS):
+        result = engine.generate(prompt, max_new_tokens=64, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, 64))
+        accepted.append(result.mean_accepted)
+        kw = {"max_new_tokens": 32, "stop_at_eos": False, "temperature": 0.8, "top_p": 0.9, "seed": 5 + i}
+        assert engine.generate(prompt, **kw).output_ids == none.generate(prompt, **kw).output_ids
+    if family == "gpt2":
+        assert max(accepted) > 1.2  # the tiny model repeats itself: the heads' drafts get accepted
+
+
+def test_chain_num_draft_auto_builds_the_k_it_predicts_fastest(tiny_folder, tmp_path):
+    """`--num-draft auto` on the chain: heads 1..4 are timed and scored on the calibration
+    prompts, and the bundle is built again with the best K (adaptive, as by default)."""
+    prompts = tmp_path / "calibration.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "auto"
+    compile_model(CompileConfig.of(model=str(tiny_folder("llama")), output=out, method="medusa", max_context=320,
+                                   heads=str(_heads(tmp_path)), num_draft="auto", auto_prompts=str(prompts)))  # fmt: skip
+    engine = Engine(out)
+    section = engine.manifest["medusa"]
+    assert section["auto"]["chosen"] == section["num_draft"] == engine.manifest["draft_depth"] in (1, 2, 3, 4)
+    assert "adaptive" in section
+    model = build("llama")
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, 48))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"acceptance": "typical"}, "--acceptance typical verifies a tree: add --tree default"),
+    ({"tree": "default", "num_draft": 2}, "--num-draft is for medusa's chain engine"),
+    ({"tree": "auto", "adaptive": True}, "--adaptive is for medusa's chain engine"),
+    ({"num_draft": 5}, "--num-draft 5 drafts a round, but heads_64_256.safetensors has 4 heads"),
+    ({"num_draft": 2, "draft_confidence": 0.3}, "add --no-adaptive"),
+])  # fmt: skip
+def test_bad_chain_options(options, message, tiny_folder, tmp_path):
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        compile_model(CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", method="medusa",
+                                       max_context=320, heads=str(_heads(tmp_path)), **options))  # fmt: skip
+    assert not (tmp_path / "b").exists()
 
 
 def test_compact_update_moves_the_path_first():
@@ -156,12 +222,13 @@ def _ranking(tmp_path, seed: int = 3):
     return path, rank_tokens(counts)
 
 
-def test_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(tiny_folder, tmp_path):
+@pytest.mark.parametrize("tree", ["chain", "default"])
+def test_reduced_draft_vocabulary_is_lossless_and_drafts_only_its_tokens(tree, tiny_folder, tmp_path):
     import numpy as np
 
     path, ranked = _ranking(tmp_path)
     cfg = CompileConfig.of(model=str(tiny_folder("llama")), output=tmp_path / "b", method="medusa", max_context=320,
-                           heads=str(_heads(tmp_path)), draft_vocab=64, draft_vocab_file=str(path))  # fmt: skip
+                           heads=str(_heads(tmp_path)), draft_vocab=64, draft_vocab_file=str(path), tree=tree)  # fmt: skip
     compile_model(cfg)
     engine = Engine(tmp_path / "b")
     section = engine.manifest["medusa"]["draft_vocab"]

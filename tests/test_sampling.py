@@ -58,7 +58,17 @@ def v8(tiny_folder, tmp_path_factory):
     return get, build("llama-v8")
 
 
-METHODS = ["none", "lookup", "lookup-fixed", "medusa", "draft", "eagle", "eagle-adaptive", "eagle-confident"]
+METHODS = [
+    "none",
+    "lookup",
+    "lookup-fixed",
+    "medusa",
+    "medusa-chain",
+    "draft",
+    "eagle",
+    "eagle-adaptive",
+    "eagle-confident",
+]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -72,7 +72,7 @@ class DrafterOptions(Options):
 
     method: ClassVar[str] = ""
     num_draft: int | str = 4  # K: draft tokens per round, or "auto" (measured at compile time, `auto_draft`)
-    adaptive: bool = False  # draft only while it pays, per row (`ModelDrafts._adapt`)
+    adaptive: bool | None = False  # draft only while it pays, per row (`ModelDrafts._adapt`); None: `adapts` says
     adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
     auto_prompts: str = AUTO_PROMPTS  # --num-draft auto: the prompt sets its acceptance is measured on
     # send a row's leading drafts while the product of the drafter's probabilities for them stays
@@ -83,9 +83,9 @@ class DrafterOptions(Options):
 
     def check(self) -> None:
         if self.num_draft == "auto":
-            check_adaptive(self.adaptive, self.adaptive_threshold, AUTO_MAX_DRAFT)
+            check_adaptive(self.adapts, self.adaptive_threshold, AUTO_MAX_DRAFT)
         elif isinstance(self.num_draft, int) and not isinstance(self.num_draft, bool):
-            check_adaptive(self.adaptive, self.adaptive_threshold, self.num_draft)
+            check_adaptive(self.adapts, self.adaptive_threshold, self.num_draft)
             if not 1 <= self.num_draft <= 16:
                 raise InputError(f"--num-draft must be between 1 and 16 or auto for --method {self.method}, "
                                  f"got {self.num_draft}")  # fmt: skip
@@ -97,8 +97,9 @@ class DrafterOptions(Options):
             if not 0 < self.draft_confidence < 1:
                 raise InputError(f"--draft-confidence must be between 0 and 1 (exclusive), got {self.draft_confidence}")
             if self.gated:
-                raise InputError("--draft-confidence cannot be combined with --adaptive or --num-draft auto: "
-                                 "choose K and the confidence, or let the gate decide")  # fmt: skip
+                raise InputError("--draft-confidence cannot be combined with --adaptive (on by default for medusa: "
+                                 "add --no-adaptive) or --num-draft auto: choose K and the confidence, or let the "
+                                 "gate decide")  # fmt: skip
         if self.num_draft == "auto":  # before the first build, not after it
             from specgraph.bench import prompt_file
 
@@ -115,9 +116,14 @@ class DrafterOptions(Options):
         return AUTO_MAX_DRAFT if self.num_draft == "auto" else int(self.num_draft)
 
     @property
+    def adapts(self) -> bool:
+        """Whether rows adapt their drafting at run time (`--adaptive`; a method may default it on)."""
+        return bool(self.adaptive)
+
+    @property
     def gated(self) -> bool:
         """Whether the engine has the adaptive gate (`auto` measures a round without drafts with it)."""
-        return self.adaptive or self.num_draft == "auto"
+        return self.adapts or self.num_draft == "auto"
 
     def files(self) -> list[str | Path | None]:
         return [path for path in self.prompt_sets if path.endswith((".jsonl", ".jsonl.gz"))]
@@ -171,6 +177,9 @@ class ModelDrafts(StepEngine):
     # the drafter's products run on other token counts than the target's, and its weights are
     # its own (exporters/gemm.py)
     drafter_weights = ("p_draft_gm_", "draft_gm.")
+    # True: the drafts are the drafter's argmax even when sampling, point masses that the one-hot
+    # form of the rule verifies (no q carried, one uniform a position; Medusa's chain)
+    point_masses = False
 
     def __init__(self, *args: Any, num_draft: int, vocab_size: int, cache_shapes: list[tuple[int, ...]],
                  vocab: tuple[torch.Tensor, dict[str, Any]] | None, adaptive: bool = False,
@@ -181,7 +190,7 @@ class ModelDrafts(StepEngine):
         self.draft_kv_shapes = cache_shapes
         self.draft_layers = len(cache_shapes) // 2
         # with sampling, q of the drafts rides along (see the module docstring)
-        q = ("draft_q",) if self.sampling else ()
+        q = ("draft_q",) if self.draws else ()
         # adaptive: each row's acceptance score and rounds since it last drafted (`_adapt`)
         adapt = ADAPT_STATE if adaptive else ()
         self.adaptive = adaptive
@@ -203,7 +212,7 @@ class ModelDrafts(StepEngine):
             self.trims = {"next_tokens": "n_draft"}
             self.register_buffer("draft_log_confidence", torch.tensor([math.log(confidence)]))
         # uniforms per position with sampling: 0 accept, 1 residual (or the plain draw), 2 the draft's draw
-        self.uniform_streams = 3 if self.sampling else 1
+        self.uniform_streams = 3 if self.draws else 1
         # a reduced draft vocabulary (specgraph/draft_vocab.py): the drafter's logits index these ids
         self.vocab_ids: torch.Tensor | None
         self.register_buffer("vocab_ids", None if vocab is None else vocab[0].to(_I64).clone())
@@ -215,7 +224,7 @@ class ModelDrafts(StepEngine):
         return self.num_draft
 
     def example_state(self, batch: int) -> list[torch.Tensor]:
-        q = [torch.zeros(batch, self.num_draft, self.vocab_size)] if self.sampling else []
+        q = [torch.zeros(batch, self.num_draft, self.vocab_size)] if self.draws else []
         adapt = (
             [torch.zeros(batch), torch.zeros(batch, dtype=_I64), torch.zeros(batch, dtype=_I64)]
             if self.adaptive
@@ -223,15 +232,20 @@ class ModelDrafts(StepEngine):
         )
         return [*(torch.zeros(batch, *shape) for shape in self.draft_kv_shapes), *q, *adapt]
 
+    @property
+    def draws(self) -> bool:
+        """Whether the drafts are draws from the drafter's q (sampling engines, unless `point_masses`)."""
+        return self.sampling and not self.point_masses
+
     def proposal(self, state):  # type: ignore[no-untyped-def]
-        return state[2 * self.draft_layers] if self.sampling else None  # draft_q [B, K, V]
+        return state[2 * self.draft_layers] if self.draws else None  # draft_q [B, K, V]
 
     def _outputs(self, state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs, logps):  # type: ignore[no-untyped-def]
         """`draft`'s result: next_tokens [B, 1+K] and the drafter's state (its caches, q with
         sampling, and with `adaptive` the acceptance state and each row's draft count, or with
         `confidence` each row's count of confident drafts). logps: each draft's log-probability
         under the drafter ([B, 1] each), or Nones without `confidence`."""
-        carried = [torch.cat(qs, dim=1)] if self.sampling else []  # draft_q_out [B, K, V]
+        carried = [torch.cat(qs, dim=1)] if self.draws else []  # draft_q_out [B, K, V]
         adapt = self._adapt(state, tokens, cache_len, cache_len_out) if self.adaptive else []
         if self.confidence is not None:
             adapt = [self._confident(torch.cat(logps, dim=1))]
@@ -283,9 +297,9 @@ class ModelDrafts(StepEngine):
     def _propose(self, logits, at, params):  # type: ignore[no-untyped-def]
         """The draft token at positions `at` [B, 1] from the drafter's logits [B, 1, V], its q
         and, with `confidence`, its log-probability [B, 1] under the drafter's unfiltered logits
-        (else None): the argmax (q unused) without sampling, else d ~ q by inverse CDF with draw
+        (else None): the argmax (q unused) without sampling or with `point_masses`, else d ~ q by inverse CDF with draw
         2 of `at`."""
-        if not self.sampling:
+        if not self.draws:
             index = logits.argmax(dim=-1)
             return self._token(index), None, self._log_prob(logits, index)
         u = sampling.position_uniforms(params[3], sampling.stream(at, 2, self.uniform_streams))  # [B, 1]
@@ -530,13 +544,13 @@ def add_drafting_flags(group: Any) -> None:
     group.add_argument("--num-draft", type=count_or_auto, help=NUM_DRAFT_HELP)
     group.add_argument(
         "--auto-prompts",
-        help=f"draft, eagle, early-exit with --num-draft auto: the prompt sets (names or .jsonl files, comma-separated) "
+        help=f"draft, eagle, early-exit, medusa's chain with --num-draft auto: the prompt sets (names or .jsonl files, comma-separated) "
         f"whose acceptance chooses K, {AUTO_LIMIT} prompts of each, {AUTO_TOKENS} new tokens (default {AUTO_PROMPTS})",
     )
     add_adaptive_flag(group)
     group.add_argument(
         "--draft-confidence", type=float, metavar="P",
-        help="draft, eagle, early-exit: each row sends only its leading drafts whose joint probability under the "
+        help="draft, eagle, early-exit, medusa's chain: each row sends only its leading drafts whose joint probability under the "
         "drafter (the product of its probabilities for them) is at least P, so K drafts go to the target where the "
         "drafter is sure and fewer where it is not; the drafter still runs K steps (default: send all K; not with "
         "--adaptive or --num-draft auto). Lossless either way",
@@ -547,7 +561,7 @@ def add_drafting_flags(group: Any) -> None:
 def add_adaptive_flag(group: Any) -> None:
     group.add_argument(
         "--adaptive", action=argparse.BooleanOptionalAction, default=None,
-        help="draft, eagle, early-exit (off by default): each row drafts only while its recent rounds accept enough "
+        help="draft, eagle, early-exit (off by default), medusa's chain (on by default): each row drafts only while its recent rounds accept enough "
         "drafts to pay for drafting (the threshold is measured at compile time); a call in which no row drafts "
         "skips the drafter and costs a plain step. lookup (on by default): each row sends the number of drafts "
         "(0..K) that its recent acceptance and the engine's verify cost, measured at compile time, say pays best. "
@@ -555,7 +569,7 @@ def add_adaptive_flag(group: Any) -> None:
     )  # fmt: skip
     group.add_argument(
         "--adaptive-threshold", type=float,
-        help="draft, eagle, early-exit with --adaptive: the accepted drafts per round below which a row stops drafting, "
+        help="draft, eagle, early-exit, medusa's chain with --adaptive: the accepted drafts per round below which a row stops drafting, "
         "instead of the one measured at compile time (e.g. when the engine will run on another machine)",
     )  # fmt: skip
 

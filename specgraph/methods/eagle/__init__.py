@@ -40,7 +40,7 @@ from specgraph.methods.draft import (
 )
 from specgraph.methods.eagle.drafter import EagleDrafter, load_drafter
 from specgraph.methods.medusa.heads import model_fingerprint
-from specgraph.passes._infra import PassContext, PassResult, cleanup, output_values, set_outputs
+from specgraph.passes import add_feature_output
 from specgraph.step import attn_span, chain_masks
 
 _I64 = torch.int64
@@ -68,16 +68,6 @@ class EagleOptions(DrafterOptions):
 
     def files(self) -> list[str | Path | None]:
         return [*super().files(), self.eagle, self.draft_vocab_file]
-
-
-def add_feature_output(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Requires an anatomy whose LM head reads the final norm's output [B, T, H]; ensures one more
-    graph output after the caches: that feature (the target's logits and caches are unchanged)."""
-    feature = ctx.anatomy.lm_head.args[0]
-    assert isinstance(feature, torch.fx.Node)
-    set_outputs(gm, [*output_values(gm), feature])
-    cleanup(gm)
-    return PassResult(gm, True, {"outputs_added": 1})
 
 
 class EagleStepEngine(ModelDrafts):

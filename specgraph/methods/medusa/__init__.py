@@ -1,9 +1,17 @@
-"""`medusa`: K heads on the target's last hidden state propose a tree of candidates; the shared
-tree verifier (`specgraph.step_tree`) accepts the longest correct branch.
+"""`medusa`: heads on the target's last hidden state propose the tokens after the next one.
 
-The tree is engine *input*: the manifest's `graph.constants` carry it, so one ONNX graph runs any
-tree and `--tree auto` can time this very engine before choosing one. `heads.py` holds the heads
-and their file format, `tree.py` the trees and the auto-tree search, `train.py` the training.
+Two engines, by `--tree`:
+- `chain` (the default): heads 1..K's top tokens are one chain of K drafts, verified by the chain
+  engine (`specgraph.step`, the rule every chain method shares) with the fused cached attention
+  and, by default, the adaptive gate: a row drafts only while its rounds pay, and a call in which
+  no row drafts skips the heads. The heads read the feature (the LM head's input) at the last
+  committed position, so they need no cache of their own.
+- a tree (a preset, a Medusa-format file, or `auto`): the heads' top candidates form a tree that
+  the shared tree verifier (`specgraph.step_tree`) walks. The tree is engine *input*: the
+  manifest's `graph.constants` carry it, so one ONNX graph runs any tree and `--tree auto` can
+  time this very engine before choosing one.
+`heads.py` holds the heads and their file format, `tree.py` the trees and the auto-tree search,
+`train.py` the training.
 """
 
 from __future__ import annotations
@@ -12,17 +20,27 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
 
 from specgraph import draft_vocab
 from specgraph.errors import InputError
-from specgraph.methods.base import Built, Finished, Measure, Method, Options
+from specgraph.methods.base import Built, Finished, Measure, Method
+from specgraph.methods.draft import (
+    AUTO_MAX_DRAFT,
+    AUTO_PROMPTS,
+    DrafterOptions,
+    ModelDrafts,
+    add_drafting_flags,
+    finish_drafts,
+    per_round,
+    quantise_drafter,
+)
 from specgraph.methods.medusa.heads import MedusaHeads, load_heads, model_fingerprint
 from specgraph.methods.medusa.tree import Tree, build_tree, load_tree, named_tree
-from specgraph.passes import add_kv_compaction, add_medusa_heads
+from specgraph.passes import add_feature_output, add_kv_compaction, add_medusa_heads
 from specgraph.step_tree import TreeStepEngine
 from specgraph.timing import time_call
 
@@ -33,25 +51,51 @@ DRAFT_VOCAB = draft_vocab.MEDUSA_DEFAULT  # the reduced draft vocabulary where t
 # (`heads.model_fingerprint`): any path to that model finds them, whatever its file is called.
 SHIPPED_HEADS = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-medusa4.safetensors"}  # SmolLM2-135M-Instruct
 _HEADS_DIR = Path(__file__).resolve().parents[2] / "data" / "heads"
+CHAIN = "chain"  # --tree chain: the chain engine (see the module docstring)
+HEAD_WEIGHTS_BITS, HEAD_BLOCK = 8, 32  # the chain engine's head products: int8 blocks, int8 activations
 
 
 @dataclass(frozen=True)
-class MedusaOptions(Options):
+class MedusaOptions(DrafterOptions):
+    method: ClassVar[str] = "medusa"
     heads: str | None = None  # trained heads (safetensors); default: the shipped ones
-    tree: str = "default"  # a preset name, a Medusa-format JSON file, or "auto"
-    acceptance: str = "greedy"  # "greedy" (lossless) or "typical" (Medusa's, LOSSY)
+    tree: str = CHAIN  # "chain", a tree preset name, a Medusa-format JSON file, or "auto"
+    acceptance: str = "greedy"  # "greedy" (lossless) or "typical" (Medusa's, LOSSY; trees only)
+    num_draft: int | str = 1  # chain: K heads' drafts a round, or "auto"
+    adaptive: bool | None = None  # chain: the run-time gate; None: on (`adapts`)
     draft_vocab: int | None = None  # tokens the heads score; None: DRAFT_VOCAB with a ranking; 0: all
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
+
+    @property
+    def chained(self) -> bool:
+        return self.tree == CHAIN
+
+    @property
+    def adapts(self) -> bool:
+        return self.chained and self.adaptive is not False
 
     def check(self) -> None:
         if self.acceptance not in ("greedy", "typical"):
             raise InputError(f"--acceptance {self.acceptance!r}: choose greedy or typical")
         draft_vocab.check_option(self.draft_vocab)
+        if self.chained:
+            if self.acceptance == "typical":
+                raise InputError("--acceptance typical verifies a tree: add --tree default (or another tree)")
+            super().check()
+            return
         if self.tree != "auto":
             named_or_file(self.tree)  # a bad tree file fails now, not after the export
+        chain_only = {"--num-draft": self.num_draft != 1, "--adaptive": self.adaptive is not None,
+                      "--adaptive-threshold": self.adaptive_threshold is not None,
+                      "--draft-confidence": self.draft_confidence is not None,
+                      "--auto-prompts": self.auto_prompts != AUTO_PROMPTS}  # fmt: skip
+        for flag, given in chain_only.items():
+            if given:
+                raise InputError(f"{flag} is for medusa's chain engine (--tree chain), not --tree {self.tree}")
 
     def files(self) -> list[str | Path | None]:
-        return [self.heads, None if self.tree == "auto" else self.tree, self.draft_vocab_file]
+        tree = None if self.tree in ("auto", CHAIN) else self.tree
+        return [*(super().files() if self.chained else []), self.heads, tree, self.draft_vocab_file]
 
     @property
     def samples(self) -> bool:
@@ -112,6 +156,50 @@ class MedusaStepEngine(TreeStepEngine):
         return candidates.gather(1, pick)  # [B, N]
 
 
+class MedusaChainEngine(ModelDrafts):
+    """The chain engine with Medusa's heads as the drafter: heads 1..K on the target's feature at
+    the last committed position propose the K tokens after the bonus, each read out by its own
+    rows of the LM head (the reduced draft vocabulary where there is one). No cache: a head reads
+    one feature, so rollback needs nothing. The drafts are each head's argmax, sampling or not:
+    point masses, as in the tree engine, so seeded text is token for token plain sampling's."""
+
+    point_masses = True
+
+    def __init__(self, target: torch.fx.GraphModule, num_layers: int, max_context: int, *args: Any,
+                 heads: MedusaHeads, lm_head_weight: str, **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(target, num_layers, max_context, *args, cache_shapes=[], vocab=heads.vocab, **kwargs)
+        k, ids = self.num_draft, self.vocab_ids
+        shared = self.target.get_parameter(lm_head_weight).detach()  # [V, H]
+        own = heads.lm_heads.detach() if heads.lm_heads is not None else None  # [K_heads, V, H]
+        drafter = torch.nn.Module()  # its weights are draft_gm.* (exporters/gemm.py: the drafter's own products)
+        drafter.proj = torch.nn.ModuleList()
+        for i in range(k):
+            linear = torch.nn.Linear(heads.hidden_size, heads.hidden_size)
+            with torch.no_grad():
+                linear.weight.copy_(heads.weight[i])
+                linear.bias.copy_(heads.bias[i])
+            drafter.proj.append(linear.requires_grad_(False))
+        rows = [shared if own is None else own[i] for i in range(k if own is not None else 1)]
+        rows = [r if ids is None else r[ids] for r in rows]  # [V_d, H] each: one readout, or one per head
+        drafter.readout = torch.nn.ParameterList([torch.nn.Parameter(r.clone(), requires_grad=False) for r in rows])
+        self.draft_gm = drafter
+
+    def draft(self, state, tokens, cache_len, bonus, cache_len_out, params, feature):  # type: ignore[no-untyped-def]
+        b, h = feature.shape[0], feature.shape[-1]
+        committed = cache_len_out - cache_len  # [B]
+        last = feature.gather(1, (committed - 1)[:, None, None].expand(b, 1, h))[:, 0]  # [B, H] gives the bonus
+        readout = self.draft_gm.readout
+        drafts, qs, logps = [], [], []
+        for i, proj in enumerate(self.draft_gm.proj):
+            state_i = last + torch.nn.functional.silu(proj(last))  # head i's state: token i + 2 after `last`
+            logits = torch.nn.functional.linear(state_i, readout[min(i, len(readout) - 1)])[:, None, :]
+            d, q, logp = self._propose(logits, cache_len_out[:, None] + 1 + i, params)
+            drafts.append(d)
+            qs.append(q)
+            logps.append(logp)
+        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, [], qs, logps)
+
+
 class MedusaMethod(Method):
     name = "medusa"
     summary = "Medusa heads propose a candidate tree, verified in one call"
@@ -135,12 +223,13 @@ class MedusaMethod(Method):
         )
         group.add_argument(
             "--tree",
-            default="default",
-            help="medusa: candidate tree: a preset (default, chain-4, mc_sim_7b_63), a Medusa-format JSON file "
-            "(list of paths), or 'auto' (best expected tokens/s from the heads' measured acceptance and this "
-            "engine's measured verify cost)",
+            help="medusa: 'chain' (the default): heads 1..K's top tokens as one chain of --num-draft drafts on the "
+            "chain engine, adaptive unless --no-adaptive; or a candidate tree on the tree engine: a preset (default, "
+            "chain-4, mc_sim_7b_63), a Medusa-format JSON file (list of paths), or 'auto' (best expected tokens/s "
+            "from the heads' measured acceptance and this engine's measured verify cost). On CPUs the chain pays "
+            "best: a tree engine's every call costs more (docs/benchmarks.md)",
         )
-        draft_vocab.add_flags(group)
+        add_drafting_flags(group)
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default 4)")
@@ -179,9 +268,15 @@ class MedusaMethod(Method):
             raise InputError("--tree auto needs heads trained by `specgraph train` (they carry measured acceptance)")
         heads.vocab = draft_vocab.choose(options.draft_vocab, options.draft_vocab_file, DRAFT_VOCAB, fingerprint,
                                          anatomy.vocab_size, loaded.name)  # fmt: skip
+        if options.chained and options.draft_count > heads.num_heads:
+            given = "auto, which tries up to" if options.num_draft == "auto" else ""
+            raise InputError(f"--num-draft {given or options.num_draft}{' ' + str(AUTO_MAX_DRAFT) if given else ''} "
+                             f"drafts a round, but {Path(path).name} has {heads.num_heads} heads: one draft per head")  # fmt: skip
         return heads
 
     def passes(self, options: Any) -> list[Any]:
+        if options.chained:
+            return [add_feature_output]  # the heads read the LM head's input at the last committed position
         # add_kv_compaction rewrites the cache writes that add_kv_cache_io inserted; add_medusa_heads
         # runs before fuse_projections so the heads' input is still the LM head's input.
         return [add_kv_compaction, add_medusa_heads]
@@ -190,6 +285,13 @@ class MedusaMethod(Method):
         heads: MedusaHeads = drafter
         weight = anatomy.lm_head.args[1]
         assert isinstance(weight, torch.fx.Node)
+        if cfg.opts.chained:
+            chain = MedusaChainEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
+                                      cfg.engine_samples, heads=heads, lm_head_weight=str(weight.target),
+                                      num_draft=cfg.opts.draft_count, vocab_size=anatomy.vocab_size,
+                                      adaptive=cfg.opts.gated, confidence=cfg.opts.draft_confidence)  # fmt: skip
+            # the target's weights follow --weights; the heads' products are int8 blocks (in `finish`)
+            return Built(chain, {"weights_skip": "draft_gm.", "heads_meta": heads.meta})
         typical = TYPICAL if cfg.opts.acceptance == "typical" else None
         engine = MedusaStepEngine(gm, anatomy.num_layers, cfg.max_context, heads.num_heads, window, cfg.emit_logits,
                                   typical, cfg.engine_samples, lm_head_weight=str(weight.target),
@@ -197,6 +299,8 @@ class MedusaMethod(Method):
         return Built(engine)
 
     def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
+        if cfg.opts.chained:
+            return _finish_chain(staging, cfg, built, measure)
         engine = built.engine
         assert isinstance(engine, MedusaStepEngine)
         if cfg.opts.tree != "auto":
@@ -210,6 +314,25 @@ class MedusaMethod(Method):
         tree, report = build_tree(np.asarray(engine.heads_meta["acceptance"]), cost, max_nodes=max(sizes))
         report = {k: v for k, v in report.items() if k != "table"} | {"verify_cost": cost}
         return _write_tree(staging, cfg, engine, tree, report)
+
+
+def _finish_chain(staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
+    """The chain engine's manifest section: heads 1..K, their products as int8 blocks (they only
+    propose: this costs acceptance, never exactness), then `finish_drafts` (K auto, the gate)."""
+    engine = built.engine
+    assert isinstance(engine, MedusaChainEngine)
+    meta = built.meta["heads_meta"]
+    section: dict[str, Any] = {"tree": CHAIN, "num_draft": engine.num_draft, "accept_rule": "greedy",
+                               "lossless": True, "weights": "float32"}  # fmt: skip
+    section["heads"] = {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
+    section["weights"] = quantise_drafter(staging, HEAD_WEIGHTS_BITS, HEAD_BLOCK)
+    # what a round is expected to accept, for the gate's prior: head k's top-1 rate (unconditional,
+    # held out), a chain's k-th draft counted only where the ones before it were right
+    top1 = meta.get("top1")
+    trained = {"acceptance": {"held-out": [float(top1[0]), float(top1[min(1, len(top1) - 1)])]}} if top1 else {}
+    section["trained"] = trained
+    summary = f"Medusa heads as a chain, {per_round(engine.num_draft)}"
+    return finish_drafts(staging, engine, section, summary, cfg.opts, measure)
 
 
 def named_or_file(name: str) -> Tree:
