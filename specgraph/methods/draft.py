@@ -58,7 +58,9 @@ ADAPT_STATE = ("draft_score", "draft_idle", "draft_wait")
 ADAPT_DECAY = 0.9  # weight of a row's past rounds in its score
 PROBE_EVERY = 8  # rounds without drafting after which a row drafts one round again (a probe) ...
 PROBE_MAX_WAIT = 64  # ... doubled after each probe that does not pay, up to this ...
-PROBE_BACKOFF_LOSS = 0.5  # ... where the probe cost more than this many plain steps (threshold - accepted)
+# ... where the probe's loss (threshold - accepted, in plain steps) is more than this share of the
+# rounds it waited: probes then cost at most about 2% of the time, however dear a round is
+PROBE_BUDGET = 0.02
 AUTO_MAX_DRAFT = 4  # --num-draft auto: the longest round it considers (the first build's K)
 AUTO_PROMPTS = "chat"  # --num-draft auto: the prompt sets acceptance is measured on by default
 AUTO_LIMIT, AUTO_TOKENS = 6, 48  # --num-draft auto: prompts per set, and new tokens per prompt
@@ -266,12 +268,13 @@ class ModelDrafts(StepEngine):
         that verified drafts moves the row's score towards (accepted drafts - threshold); a row
         drafts next round while its score is >= 0; a row that stopped tries one round again (a
         probe) after `wait` rounds without drafting: PROBE_EVERY, doubled (up to PROBE_MAX_WAIT)
-        after each probe that cost more than PROBE_BACKOFF_LOSS plain steps (the threshold, which
-        is a drafting round's cost in steps, less the drafts it accepted), and PROBE_EVERY again
-        after one that paid or once the score is back at 0 or above. So where a probe is dear
-        (stored weights here: a round costs 1.7-1.8 steps) text that never pays pays for few of
-        them, and where it is cheap (an fp32 target: 1.16 steps) rows that only dip below 0 come
-        back as soon as before. The exported engine skips the drafter entirely when no row drafts
+        after each probe whose loss (the threshold, which is a drafting round's extra cost in
+        steps, less the drafts it accepted) is more than PROBE_BUDGET of the `wait` rounds before
+        it, and PROBE_EVERY again after one that paid or once the score is back at 0 or above.
+        So text that never pays spends at most about 2% of its rounds on probes: a probe that
+        loses 0.38 steps (Medusa's chain at the stored weights) waits 32 rounds, one that loses
+        0.7 (EAGLE there) 64; where a probe is cheap (an fp32 target: 0.11-0.16) rows that only
+        dip below 0 come back after 8. The exported engine skips the drafter entirely when no row drafts
         (exporters/gate.py), so an idle round costs about a plain step (3-6% more inside
         generation: this rule's and the gate's nodes). Lossless either way: the count only
         decides how many drafts the next call verifies."""
@@ -287,7 +290,7 @@ class ModelDrafts(StepEngine):
         score = torch.where(drafted, moved, score)
         idle = torch.where(drafted, torch.zeros_like(idle), idle + 1)
         paid = accepted >= self.draft_threshold
-        dear = self.draft_threshold - accepted > PROBE_BACKOFF_LOSS
+        dear = self.draft_threshold - accepted > PROBE_BUDGET * wait.to(score.dtype)
         longer = torch.where(probe & dear, torch.clamp(2 * wait, max=PROBE_MAX_WAIT), wait)
         wait = torch.where((score >= 0) | (probe & paid), torch.full_like(wait, PROBE_EVERY), longer)
         wants = (score >= 0) | (idle >= wait)  # [B]
@@ -614,7 +617,7 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     set_initializer(path, "draft_prior", np.array([prior], np.float32))
     return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "prior": round(prior, 4),
             "round_ms": round(round_s * 1e3, 2), "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY,
-            "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT, "probe_backoff_loss": PROBE_BACKOFF_LOSS,
+            "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT, "probe_budget": PROBE_BUDGET,
             "gated_nodes": moved}  # fmt: skip
 
 
