@@ -75,11 +75,55 @@ def skip_draws_when_greedy(path: Path) -> int:
             kept.append(gates[id(node)])
         if id(node) not in moved_ids:
             kept.append(node)
+    kept, pulled = _pull_into_branches(kept, list(gates.values()), graph_outputs)
     del graph.node[:]
     graph.node.extend(_topological(kept, {i.name for i in graph.input} | {t.name for t in graph.initializer}))
     onnx.save_model(model, str(path))
-    logger.debug("sampling operators skipped in greedy calls: %d, %d nodes moved", len(gates), len(moved_ids))
-    return len(moved_ids)
+    logger.debug("sampling operators skipped in greedy calls: %d, %d nodes moved, %d more pulled in", len(gates),
+                 len(moved_ids), pulled)  # fmt: skip
+    return len(moved_ids) + pulled
+
+
+def _pull_into_branches(nodes: list[onnx.NodeProto], gates: list[onnx.NodeProto],
+                        graph_outputs: set[str]) -> tuple[list[onnx.NodeProto], int]:  # fmt: skip
+    """Move into a gate's drawing (`then`) branch every main-graph node whose values only that
+    branch reads, transitively: the index work the step engine does around an operator (the
+    general rule's window of drafts and proposals, `step._chain_targets`) then runs only in a
+    call that samples. `nodes` are in topological order; returns the main graph's nodes left and
+    how many moved."""
+    then_of = {id(g): next(a.g for a in g.attribute if a.name == "then_branch") for g in gates}
+    readers: dict[str, set[tuple[str, int]]] = defaultdict(set)  # name -> ("node", id) or ("then", gate id)
+    for node in nodes:
+        if id(node) in then_of:
+            for name in _branch_reads(then_of[id(node)]):
+                readers[name].add(("then", id(node)))
+            else_branch = next(a.g for a in node.attribute if a.name == "else_branch")
+            reads = [*node.input, *_branch_reads(else_branch)]
+        else:
+            reads = [*node.input, *outer_reads(node)]
+        for name in reads:
+            readers[name].add(("node", id(node)))
+    moved: set[int] = set()
+    for node in reversed(nodes):  # readers before what they read
+        outs = [o for o in node.output if o]
+        if id(node) in then_of or not outs or any(o in graph_outputs for o in outs):
+            continue
+        seen = set().union(*(readers[o] for o in outs))
+        if len(seen) != 1 or next(iter(seen))[0] != "then":
+            continue
+        gate = next(iter(seen))[1]
+        then_of[gate].node.insert(0, node)  # before its readers, which are in the branch already
+        moved.add(id(node))
+        for name in [*node.input, *outer_reads(node)]:
+            readers[name].discard(("node", id(node)))
+            readers[name].add(("then", gate))
+    return [n for n in nodes if id(n) not in moved], len(moved)
+
+
+def _branch_reads(branch: onnx.GraphProto) -> set[str]:
+    """Names a branch reads from the enclosing scope."""
+    made = {o for n in branch.node for o in n.output} | {i.name for i in branch.input}
+    return {i for n in branch.node for i in [*n.input, *outer_reads(n)] if i and i not in made}
 
 
 def _gate(call: str, nodes: list[onnx.NodeProto], readers: dict[str, list[onnx.NodeProto]],

@@ -289,6 +289,21 @@ def test_a_greedy_call_skips_the_sampling_operators(method, operators, v8):
         assert branches["else_branch"].node[0].op_type == "ArgMax"
     fx = [next((p.value for p in n.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "") for n in nodes]
     assert sum(bool(_CALL.match(f)) for f in fx) < 15 * operators  # what stays: a few shared values
+    # nor does any main-graph node whose values only one gate's drawing branch reads (the general
+    # rule's window of drafts and proposals around `speculative`): it moved into that branch
+    from specgraph.exporters.gemm import outer_reads
+    from specgraph.exporters.greedy_skip import _branch_reads
+
+    main_gates = [n for n in graph.node if n.op_type == "If" and n.name.endswith(".gate")]
+    drawing = {name: {id(g) for g in main_gates if name in _branch_reads(g.attribute[0].g if g.attribute[0].name ==
+               "then_branch" else g.attribute[1].g)} for node in graph.node for name in node.output}  # fmt: skip
+    read_in_main = {i for n in graph.node if n not in main_gates for i in [*n.input, *outer_reads(n)]}
+    read_in_main |= {i for g in main_gates for i in g.input} | {o.name for o in graph.output}
+    for g in main_gates:
+        read_in_main |= _branch_reads(next(a.g for a in g.attribute if a.name == "else_branch"))
+    lone = [node.name for node in graph.node if node.op_type != "If" and node.output and
+            all(o not in read_in_main and len(drawing[o]) == 1 for o in node.output if o)]  # fmt: skip
+    assert not lone, lone
 
 
 def test_reference_filter_matches_hugging_face_warpers():
