@@ -136,15 +136,24 @@ def test_int8_activation_speculation_equals_its_own_none_engine(tiny_folder, tmp
     (`exporters/gqa.py`), the portable one needs nothing; the native kernel rounds a row alike in
     any call, so it pads nothing. The compile checks it on this machine (`_check_rows_agree`),
     refusing if not. Where it holds, each speculative engine emits exactly what `none` with the
-    same attention emits, greedy and seeded-sampled (Medusa's tree engine is never fused)."""
+    same attention emits, greedy and seeded-sampled (Medusa's chain engine is fused like lookup's;
+    its tree engine is never fused)."""
     if kernels == "native" and library_path() is None:
         pytest.skip("specgraph's kernel library is not built")
     folder = str(tiny_folder("llama"))
     builds = {"none": ("none", "fused"), "none-portable": ("none", "portable"), "lookup": ("lookup", "fused"),
-              "lookup-portable": ("lookup", "portable"), "medusa": ("medusa", "fused")}  # fmt: skip
+              "lookup-portable": ("lookup", "portable"), "medusa": ("medusa", "fused"),
+              "medusa-tree": ("medusa", "fused")}  # fmt: skip
     engines = {}
     for name, (method, attention) in builds.items():
         extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
+        extra |= (
+            {"tree": "default"}
+            if name == "medusa-tree"
+            else {"num_draft": 3, "adaptive": False}
+            if method == "medusa"
+            else {}
+        )
         cfg = CompileConfig.of(model=folder, output=tmp_path / name, method=method, max_context=160, weights="int4",
                                activations="int8", attention=attention, kernels=kernels, **extra)  # fmt: skip
         try:
@@ -157,8 +166,9 @@ def test_int8_activation_speculation_equals_its_own_none_engine(tiny_folder, tmp
     assert engines["none"].manifest["weights"]["exact"] is False
     assert engines["none"].manifest["graph"]["fused_attention"] > 0
     assert engines["none"].extra_slots == (1 if kernels == "ort" else 0)
-    assert engines["medusa"].manifest["graph"]["fused_attention"] == 0
-    pairs = {"lookup": "none", "lookup-portable": "none-portable", "medusa": "none-portable"}
+    assert engines["medusa"].manifest["graph"]["fused_attention"] > 0
+    assert engines["medusa-tree"].manifest["graph"]["fused_attention"] == 0
+    pairs = {"lookup": "none", "lookup-portable": "none-portable", "medusa": "none", "medusa-tree": "none-portable"}
     for name, plain in pairs.items():
         agree = engines[name].manifest["weights"]["rows_agree"]
         assert agree["checked"] is True
