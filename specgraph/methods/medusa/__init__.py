@@ -269,9 +269,9 @@ class MedusaMethod(Method):
         heads.vocab = draft_vocab.choose(options.draft_vocab, options.draft_vocab_file, DRAFT_VOCAB, fingerprint,
                                          anatomy.vocab_size, loaded.name)  # fmt: skip
         if options.chained and options.draft_count > heads.num_heads:
-            given = "auto, which tries up to" if options.num_draft == "auto" else ""
-            raise InputError(f"--num-draft {given or options.num_draft}{' ' + str(AUTO_MAX_DRAFT) if given else ''} "
-                             f"drafts a round, but {Path(path).name} has {heads.num_heads} heads: one draft per head")  # fmt: skip
+            asked = f"auto, which tries up to {AUTO_MAX_DRAFT}" if options.num_draft == "auto" else options.num_draft
+            raise InputError(f"--num-draft {asked} drafts a round, but {Path(path).name} has {heads.num_heads} heads: "
+                             "one draft per head")  # fmt: skip
         return heads
 
     def passes(self, options: Any) -> list[Any]:
@@ -323,9 +323,8 @@ def _finish_chain(staging: Path, cfg: Any, built: Built, measure: Measure) -> Fi
     assert isinstance(engine, MedusaChainEngine)
     meta = built.meta["heads_meta"]
     section: dict[str, Any] = {"tree": CHAIN, "num_draft": engine.num_draft, "accept_rule": "greedy",
-                               "lossless": True, "weights": "float32"}  # fmt: skip
-    section["heads"] = {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
-    section["weights"] = quantise_drafter(staging, HEAD_WEIGHTS_BITS, HEAD_BLOCK)
+                               "lossless": True, "heads": _heads_section(meta),
+                               "weights": quantise_drafter(staging, HEAD_WEIGHTS_BITS, HEAD_BLOCK)}  # fmt: skip
     # what a round is expected to accept, for the gate's prior: head k's top-1 rate (unconditional,
     # held out), a chain's k-th draft counted only where the ones before it were right
     top1 = meta.get("top1")
@@ -333,6 +332,11 @@ def _finish_chain(staging: Path, cfg: Any, built: Built, measure: Measure) -> Fi
     section["trained"] = trained
     summary = f"Medusa heads as a chain, {per_round(engine.num_draft)}"
     return finish_drafts(staging, engine, section, summary, cfg.opts, measure)
+
+
+def _heads_section(meta: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest keeps of the heads file's header (either engine)."""
+    return {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
 
 
 def named_or_file(name: str) -> Tree:
@@ -353,7 +357,7 @@ def _write_tree(bundle: Path, cfg: Any, engine: MedusaStepEngine, tree: Tree,
                                "tree_depth": tree.depth, "tree_source": cfg.opts.tree,
                                "accept_rule": cfg.opts.acceptance,
                                "lossless": cfg.opts.acceptance == "greedy"}  # fmt: skip
-    section["heads"] = {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
+    section["heads"] = _heads_section(meta)
     summary = f"{engine.num_heads} heads, tree {cfg.opts.tree} ({tree.size} nodes, depth {tree.depth})"
     if engine.vocab_ids is not None:
         section["draft_vocab"] = {**engine.vocab_info, "ids": [int(i) for i in engine.vocab_ids]}
