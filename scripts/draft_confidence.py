@@ -25,7 +25,8 @@ from specgraph.bench import prompt_ids
 from specgraph.default_model import DEFAULT_MODEL
 from specgraph.methods.eagle import DRAFT_VOCAB
 from specgraph.methods.eagle.drafter import load_drafter
-from specgraph.methods.eagle.train import _batch, _features, load_teacher
+from specgraph.methods.eagle.train import _batch
+from specgraph.methods.teacher import load_teacher, target_features
 from specgraph.runtime import Engine
 
 WIDTHS = (1, 2, 3, 4, 6, 8)  # --siblings: top-W coverage
@@ -53,7 +54,7 @@ def main() -> None:
     for name in args.prompts.split(","):
         seqs = [(p + list(engine.generate(p, args.max_new_tokens).output_ids), len(p) - 1)
                 for p in prompt_ids(name, args.limit, engine, chat=True)]  # fmt: skip
-        feats = _features(teacher.hf, lm_head, seqs, 8, False, "features")
+        feats = target_features(teacher.hf, lm_head, seqs, 8, False, "features")
         conf: list[list[float]] = [[], []]
         hit: list[list[bool]] = [[], []]
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # depth 1: the top 8 probabilities, and hits

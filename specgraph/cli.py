@@ -304,9 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a method's drafter by self-distillation (" + ", ".join(m.name for m in trainable) + ")",
         description=(
-            "Train a drafter on the frozen target's own greedy output for PROMPTS; only the drafter learns. "
-            "Prints its accuracy on held-out text and stores the measured acceptance in the file it writes "
-            "(compile uses it, e.g. --tree auto)."
+            "Train a drafter on the frozen target's teacher-forced features over its own replies to PROMPTS and "
+            "--corpus-mb MB of the Python standard library's sources; only the drafter learns. Prints its "
+            "held-out acceptance as it trains and stores it in the file it writes (compile uses it, e.g. "
+            "--num-draft auto, --tree auto)."
         ),
     )
     t.add_argument("model", help="model file or folder, or 'smollm2-135m'")
@@ -320,15 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         type=Path,
         help="drafter file to write (.safetensors): a new path, or one specgraph wrote (replaced atomically); "
-        "the generated text is cached beside it as NAME.gen.json",
+        "the generated text and the target's features are cached beside it as NAME.gen.json and "
+        "NAME.features.safetensors, for a rerun on the same text",
     )
     t.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="file at -o or its cache"))
     t.add_argument(
         "--max-new-tokens", type=_positive, default=None,
-        help="tokens the target generates per prompt (default: medusa 32, eagle and early-exit 128)",
+        help="tokens the target generates per prompt (default 128)",
     )  # fmt: skip
     t.add_argument("--epochs", type=_positive, default=None,
-                   help="passes over the training data (default: medusa 5, eagle and early-exit 2)")  # fmt: skip
+                   help="passes over the training data (default 2)")  # fmt: skip
     t.add_argument("--threads", type=_positive, default=2, help="torch and ONNX Runtime threads (default 2)")
     t.add_argument("--json", action="store_true", help="print the training report as JSON")
     for method in trainable:

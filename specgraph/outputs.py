@@ -211,7 +211,7 @@ def _heads(path: Path) -> str | None:
 
 
 def _feature_cache(path: Path) -> str | None:
-    from specgraph.methods.eagle.train import FEATURES
+    from specgraph.methods.teacher import FEATURES
 
     if _safetensors_format(path) != FEATURES:
         return "not a feature cache written by specgraph train"

@@ -20,8 +20,11 @@ import torch
 import specgraph.bench
 import specgraph.compiler
 import specgraph.methods.medusa.train
+import specgraph.methods.replies
+import specgraph.methods.teacher
 from specgraph.cli import main
 from specgraph.errors import InputError, OutputError
+from specgraph.methods.teacher import Text
 from specgraph.outputs import BENCH_JSON, BUNDLE, HEADS, check_output, replace_dir, staging_dir, write_file
 
 VOCAB = 256  # tests/models/tiny.py
@@ -57,7 +60,7 @@ def tripwire(monkeypatch):
         raise Reached("the long work started before the output was checked")
 
     monkeypatch.setattr(specgraph.compiler, "load_model", boom)
-    monkeypatch.setattr(specgraph.methods.medusa.train, "load_model", boom)
+    monkeypatch.setattr(specgraph.methods.teacher, "load_model", boom)
     monkeypatch.setattr(specgraph.bench, "run_bench", boom)
 
 
@@ -190,9 +193,13 @@ def test_train_refuses_to_overwrite_weights_and_folders(workdir, tripwire, capsy
 def test_train_api_checks_its_output_first(workdir, tripwire):
     before = tree_hash(workdir)
     with pytest.raises(OutputError, match="which this command reads"):
-        specgraph.methods.medusa.train.train_medusa("model", "prompts.jsonl", "model/model.safetensors", progress=False)
+        specgraph.methods.medusa.train.train_medusa(
+            "model", "model/model.safetensors", text=Text("prompts.jsonl"), progress=False
+        )
     with pytest.raises(Reached):  # a new path is fine: the work starts
-        specgraph.methods.medusa.train.train_medusa("model", "prompts.jsonl", "new/heads.safetensors", progress=False)
+        specgraph.methods.medusa.train.train_medusa(
+            "model", "new/heads.safetensors", text=Text("prompts.jsonl"), progress=False
+        )
     assert tree_hash(workdir) == before and not (workdir / "new").exists()
 
 
@@ -389,8 +396,8 @@ def test_nested_json_and_unknown_ids_in_prompt_files(workdir, tmp_path, tiny_bun
         run_bench(bundle, str(negative), progress=False, baseline=False)
     for prompts in (deep, oov):  # train reads the same files, before generating anything
         with pytest.raises(InputError, match="nested too deeply|outside this model's vocabulary"):
-            specgraph.methods.medusa.train.train_medusa("model", str(prompts), tmp_path / "h.safetensors", progress=False,
-                                         engine_bundle=bundle)  # fmt: skip
+            specgraph.methods.medusa.train.train_medusa("model", tmp_path / "h.safetensors", text=Text(str(prompts)),
+                                                        progress=False, engine_bundle=bundle)  # fmt: skip
     assert not (tmp_path / "h.safetensors").exists()
 
 
@@ -401,11 +408,13 @@ def test_all_prompts_too_long_says_so_before_compiling(workdir, tmp_path, monkey
     def boom(*_a, **_k):
         raise Reached("compiled an engine for prompts that cannot fit")
 
-    monkeypatch.setattr(specgraph.methods.medusa.train, "_compile_none", boom)
+    monkeypatch.setattr(specgraph.methods.replies, "_compile_none", boom)
     long = tmp_path / "long.jsonl"
     long.write_text("".join(json.dumps({"prompt_ids": [5] * 600}) + "\n" for _ in range(3)))
     with pytest.raises(InputError, match=r"3 of the 3 prompts .* are too long.*shorter than 510 tokens"):
-        specgraph.methods.medusa.train.train_medusa("model", str(long), tmp_path / "h.safetensors", progress=False)
+        specgraph.methods.medusa.train.train_medusa(
+            "model", tmp_path / "h.safetensors", text=Text(str(long)), progress=False
+        )
 
 
 def test_plot_is_written_to_exactly_the_path_it_names(tmp_path, monkeypatch, capsys):

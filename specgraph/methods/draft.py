@@ -586,13 +586,22 @@ def check_adaptive(adaptive: bool, threshold: float | None, num_draft: int) -> N
 
 def trained_accepted(acceptance: dict[str, Any] | None, k: int) -> float | None:
     """Accepted drafts a K-draft round is expected to keep, from a drafter's held-out acceptance
-    per set: [depth 1, depth 2] (eagle/train.py; depth 2's rate kept further down) or one rate
-    for every depth (early_exit/train.py). The best set's a1 (1 + a2 + ... + a2^(K-1)); None
-    without it (a draft model)."""
+    per set by depth, each depth's rate where the drafts before it were right: [depth 1, depth 2]
+    (eagle/train.py), one per head (medusa/train.py) or one rate for every depth
+    (early_exit/train.py), the last rate kept further down. The best set's a1 + a1 a2 + ...;
+    None without it (a draft model)."""
     if not acceptance:
         return None
     rates = [a if isinstance(a, list) else [a] for a in acceptance.values()]
-    return max(a[0] * sum(a[-1] ** i for i in range(k)) for a in rates if a)
+
+    def expected(a: list[float]) -> float:
+        reach, total = 1.0, 0.0
+        for d in range(k):
+            reach *= a[min(d, len(a) - 1)]
+            total += reach
+        return total
+
+    return max(expected(a) for a in rates if a)
 
 
 def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, measure: Measure,

@@ -106,7 +106,7 @@ def test_sampled_replies_widen_the_training_text(tiny_folder, tiny_bundle, tmp_p
 
 def test_added_prompts_reuse_the_cached_replies(tiny_folder, tiny_bundle, tmp_path, monkeypatch):
     """The generation cache keeps replies by prompt: a run with more prompts generates only theirs."""
-    from specgraph.methods.medusa import train as medusa_train
+    from specgraph.methods import replies
 
     prompts = token_prompts(tmp_path)
     common = dict(max_new_tokens=8, epochs=1, batch_size=4, holdout=0.2, curve=1, threads=1, progress=False,
@@ -118,10 +118,8 @@ def test_added_prompts_reuse_the_cached_replies(tiny_folder, tiny_bundle, tmp_pa
     added = [{"prompt_ids": [7, 8, 9, 10 + i]} for i in range(3)]
     more.write_text(prompts.read_text() + "".join(json.dumps(line) + "\n" for line in added))
     asked = []
-    reply_all = medusa_train._reply_all
-    monkeypatch.setattr(
-        medusa_train, "_reply_all", lambda engine, ids, *a: asked.extend(ids) or reply_all(engine, ids, *a)
-    )
+    reply_all = replies._reply_all
+    monkeypatch.setattr(replies, "_reply_all", lambda engine, ids, *a: asked.extend(ids) or reply_all(engine, ids, *a))
     report = train_eagle(model, out, prompts=str(more), force=True, **common)
     assert asked == [line["prompt_ids"] for line in added] and not report["generation_cached"]
     cached = json.loads((tmp_path / "d.gen.json").read_text())["sequences"]
@@ -133,7 +131,7 @@ def test_the_distribution_loss_and_deeper_training_reuse_the_cached_features(tin
     """A rerun on the same text reads the teacher-forced features from `<name>.features.safetensors`
     (no target pass); `--token-loss distribution` and `--train-depth 2` train from them; other text
     recomputes them; a file there that specgraph did not make is not replaced."""
-    from specgraph.methods.eagle import train as eagle_train
+    from specgraph.methods import teacher
 
     common = dict(prompts=str(token_prompts(tmp_path)), max_new_tokens=16, epochs=1, batch_size=4, holdout=0.2,
                   curve=1, threads=1, progress=False, engine_bundle=str(tiny_bundle("llama", "none")))  # fmt: skip
@@ -141,17 +139,17 @@ def test_the_distribution_loss_and_deeper_training_reuse_the_cached_features(tin
     first = train_eagle(model, out, **common)
     assert not first["features_cached"] and (tmp_path / "d.features.safetensors").is_file()
     assert first["training"] == {"token_loss": "argmax", "depth": 1, "epochs": 1}
-    computed = eagle_train._features
+    computed = teacher.target_features
 
     def no_target_pass(*args, **kwargs):  # noqa: ANN002, ANN003
         raise AssertionError("the features should have come from the cache")
 
-    monkeypatch.setattr(eagle_train, "_features", no_target_pass)
+    monkeypatch.setattr(teacher, "target_features", no_target_pass)
     deeper = train_eagle(model, out, token_loss="distribution", depth=2, **common)  # replaces its own drafter
     assert deeper["features_cached"] and deeper["training"] == {"token_loss": "distribution", "depth": 2, "epochs": 1}
     assert all(v == v and v < 100 for v in deeper["epoch_loss"]) and deeper["train_tokens"] == first["train_tokens"]
     load_drafter(out, 64, VOCAB)
-    monkeypatch.setattr(eagle_train, "_features", computed)
+    monkeypatch.setattr(teacher, "target_features", computed)
     other = train_eagle(model, out, **{**common, "max_new_tokens": 12})
     assert not other["features_cached"] and other["train_tokens"] < first["train_tokens"]
 
@@ -161,8 +159,8 @@ def test_the_distribution_loss_and_deeper_training_reuse_the_cached_features(tin
     fresh = lambda: {k: computed(loaded.hf_model, loaded.hf_model.get_output_embeddings(), v, 2, False, k, 1)  # noqa: E731
                      for k, v in seqs.items()}  # fmt: skip
     path, guard = tmp_path / "direct.features.safetensors", ([], False)
-    made, cached = eagle_train._cached_features(path, loaded, seqs, 1, fresh, guard, False)
-    again, cached_again = eagle_train._cached_features(path, loaded, seqs, 1, fresh, guard, False)
+    made, cached = teacher._cached_features(path, loaded, seqs, 1, fresh, guard, False)
+    again, cached_again = teacher._cached_features(path, loaded, seqs, 1, fresh, guard, False)
     assert not cached and cached_again
     for name in seqs:
         for a, b in zip(made[name], again[name], strict=True):

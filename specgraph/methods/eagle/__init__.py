@@ -139,6 +139,7 @@ class EagleMethod(Method):
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
         from specgraph.methods.eagle.train import MAX_DEPTH, TOKEN_LOSSES
+        from specgraph.methods.teacher import add_corpus_flags
 
         add_corpus_flags(group)
         group.add_argument("--token-loss", choices=TOKEN_LOSSES, default=TOKEN_LOSSES[0],
@@ -150,11 +151,13 @@ class EagleMethod(Method):
 
     def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
         from specgraph.methods.eagle.train import train_eagle
+        from specgraph.methods.teacher import text_of
 
-        return train_eagle(model=args.model, output=args.output, prompts=args.prompts, corpus_mb=args.corpus_mb,
-                           max_new_tokens=args.max_new_tokens or 128, epochs=args.epochs or 2, seq_len=args.seq_len,
+        text = text_of(args)
+        return train_eagle(model=args.model, output=args.output, prompts=text.prompts, corpus_mb=text.corpus_mb,
+                           max_new_tokens=text.max_new_tokens, epochs=args.epochs or 2, seq_len=text.seq_len,
                            curve=args.curve, threads=args.threads, progress=progress, command=command,
-                           force=args.force, samples=args.samples, functions=args.function_prompts,
+                           force=args.force, samples=text.samples, functions=text.functions,
                            token_loss=args.token_loss, depth=args.train_depth)  # fmt: skip
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> EagleDrafter:
@@ -198,23 +201,6 @@ class EagleMethod(Method):
                                                    "command") if k in meta}  # fmt: skip
         summary = f"EAGLE drafter, {per_round(engine.num_draft)}"
         return finish_drafts(staging, engine, section, summary, cfg.opts, measure)
-
-
-def add_corpus_flags(group: argparse._ArgumentGroup) -> None:
-    """`specgraph train` flags of the teacher-forced corpus (`train.py`), shared with early-exit:
-    the first method to add them serves both (a group shares its parser's flags)."""
-    flags = [("--corpus-mb", float, 1.0, "MB of the Python standard library's sources to train on, beside the "
-                                          "target's replies to --prompts (default 1.0)"),
-             ("--seq-len", int, 256, "tokens per code window (default 256)"),
-             ("--curve", int, 4, "held-out acceptance measured this many times while training (default 4)"),
-             ("--samples", int, 0, "sampled replies (temperature 0.8, top-p 0.95) per training prompt beside its "
-                                   "greedy one: more of the target's own text from the same prompts (default 0)"),
-             ("--function-prompts", int, 0, "code requests in HumanEval's form (a signature and docstring) made from "
-                                            "this many of the standard library's documented functions, answered by the "
-                                            "target beside --prompts (default 0)")]  # fmt: skip
-    for flag, kind, default, text in flags:
-        if flag not in group._option_string_actions:
-            group.add_argument(flag, type=kind, default=default, help=f"eagle, early-exit: {text}")
 
 
 EAGLE = EagleMethod()

@@ -98,20 +98,19 @@ class EarlyExitMethod(DraftMethod):
         add_drafting_flags(group)
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
-        from specgraph.methods.eagle import add_corpus_flags
+        from specgraph.methods.teacher import add_corpus_flags
 
         group.add_argument("--exit-layer", type=int,
                            help="early-exit (required): train the adapter on the hidden states after this layer")  # fmt: skip
         add_corpus_flags(group)
 
     def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
-        from specgraph.methods.eagle.train import Schedule, Text
         from specgraph.methods.early_exit.train import LR, train_early_exit
+        from specgraph.methods.teacher import Schedule, text_of
 
         if args.exit_layer is None:
             raise InputError("specgraph train --method early-exit needs --exit-layer E (1 <= E < the model's layers)")
-        text = Text(args.prompts, args.corpus_mb, args.max_new_tokens or 128, args.seq_len, samples=args.samples,
-                    functions=args.function_prompts)  # fmt: skip
+        text = text_of(args)
         schedule = Schedule(epochs=args.epochs or 2, lr=LR, curve=args.curve)
         return train_early_exit(args.model, args.output, args.exit_layer, text, schedule, threads=args.threads,
                                 progress=progress, command=command, force=args.force)  # fmt: skip

@@ -1,6 +1,6 @@
 """Train an early-exit adapter (Kangaroo) on the frozen target's teacher-forced hidden states.
 
-1. Text: the same as EAGLE's (`methods/eagle/train.py` `teacher_sets`): `--corpus-mb` MB of the
+1. Text: the same as EAGLE's and Medusa's (`methods/teacher.py` `teacher_sets`): `--corpus-mb` MB of the
    Python standard library's sources in `--seq-len` windows, and the target's own greedy replies
    to the training prompts; whole sequences of each kind held out.
 2. One no-grad pass of the HF model per batch: the hidden state after layer E (the adapter's
@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-from specgraph.methods.eagle.train import (
+from specgraph.methods.early_exit.adapter import (
+    adapter_init,
+    adapter_model,
+    adapter_state,
+    check_exit_layer,
+    parts,
+    save_adapter,
+)
+from specgraph.methods.teacher import (
     Schedule,
     Text,
     check_run,
@@ -33,14 +41,6 @@ from specgraph.methods.eagle.train import (
     load_teacher,
     save_and_report,
     teacher_sets,
-)
-from specgraph.methods.early_exit.adapter import (
-    adapter_init,
-    adapter_model,
-    adapter_state,
-    check_exit_layer,
-    parts,
-    save_adapter,
 )
 
 LR = 5e-4  # the adapter starts as the target's layer E + 1: a gentler rate than EAGLE's from scratch

@@ -232,6 +232,8 @@ class MedusaMethod(Method):
         add_drafting_flags(group)
 
     def add_train_flags(self, group: argparse._ArgumentGroup) -> None:
+        from specgraph.methods.teacher import add_corpus_flags
+
         group.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default 4)")
         group.add_argument(
             "--separate-lm-heads",
@@ -239,14 +241,16 @@ class MedusaMethod(Method):
             help="medusa: give each head its own trainable copy of the LM head (Medusa-1; 28M parameters per head "
             "on the default model, and every step reads them)",
         )
+        add_corpus_flags(group)
 
     def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
         from specgraph.methods.medusa.train import train_medusa
+        from specgraph.methods.teacher import Schedule, text_of
 
-        return train_medusa(model=args.model, prompts=args.prompts, output=args.output, num_heads=args.heads,
-                            epochs=args.epochs or 5, max_new_tokens=args.max_new_tokens or 32, threads=args.threads,
-                            progress=progress, command=command, separate_lm_heads=args.separate_lm_heads,
-                            force=args.force)  # fmt: skip
+        schedule = Schedule(epochs=args.epochs or 2, curve=args.curve)
+        return train_medusa(args.model, args.output, args.heads, text_of(args), schedule,
+                            separate_lm_heads=args.separate_lm_heads, threads=args.threads, progress=progress,
+                            command=command, force=args.force)  # fmt: skip
 
     def stages(self, options: Any) -> list[str]:
         return ["measure tree"] if options.tree == "auto" else []
@@ -325,18 +329,20 @@ def _finish_chain(staging: Path, cfg: Any, built: Built, measure: Measure) -> Fi
     section: dict[str, Any] = {"tree": CHAIN, "num_draft": engine.num_draft, "accept_rule": "greedy",
                                "lossless": True, "heads": _heads_section(meta),
                                "weights": quantise_drafter(staging, HEAD_WEIGHTS_BITS, HEAD_BLOCK)}  # fmt: skip
-    # what a round is expected to accept, for the gate's prior: head k's top-1 rate (unconditional,
-    # held out), a chain's k-th draft counted only where the ones before it were right
+    # what a round is expected to accept, for the gate's prior and --num-draft auto: each depth's
+    # held-out rate where the drafts before it were right, per set (`train.py`); heads trained before
+    # it carry only each head's unconditional top-1 rate, which stands in for it
     top1 = meta.get("top1")
-    trained = {"acceptance": {"held-out": [float(top1[0]), float(top1[min(1, len(top1) - 1)])]}} if top1 else {}
-    section["trained"] = trained
+    chain = meta.get("chain") or ({"held-out": [float(top1[0]), float(top1[min(1, len(top1) - 1)])]} if top1 else None)
+    section["trained"] = {"acceptance": chain} if chain else {}
     summary = f"Medusa heads as a chain, {per_round(engine.num_draft)}"
     return finish_drafts(staging, engine, section, summary, cfg.opts, measure)
 
 
 def _heads_section(meta: dict[str, Any]) -> dict[str, Any]:
     """What the manifest keeps of the heads file's header (either engine)."""
-    return {k: meta[k] for k in ("model", "top1", "top5", "acceptance", "command") if k in meta}
+    keys = ("model", "top1", "top5", "acceptance", "chain", "expected_tokens", "train_tokens", "command")
+    return {k: meta[k] for k in keys if k in meta}
 
 
 def named_or_file(name: str) -> Tree:
