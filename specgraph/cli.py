@@ -43,6 +43,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def _top_k(text: str) -> int:
     try:
         value = int(text)
@@ -330,7 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens the target generates per prompt (default 128)",
     )  # fmt: skip
     t.add_argument("--epochs", type=_positive, default=None,
-                   help="passes over the training data (default 2)")  # fmt: skip
+                   help="passes over the training data (default: medusa 8, eagle and early-exit 2)")  # fmt: skip
+    t.add_argument("--lr", type=_positive_float, default=None,
+                   help="peak learning rate, cosine-decayed (default: medusa 0.003, eagle 0.001, early-exit 0.0005)")  # fmt: skip
     t.add_argument("--threads", type=_positive, default=2, help="torch and ONNX Runtime threads (default 2)")
     t.add_argument("--json", action="store_true", help="print the training report as JSON")
     for method in trainable:

@@ -167,3 +167,36 @@ def test_labels_follow_the_targets_own_text() -> None:
     assert labels[:, 1].tolist() == [n, n, n, 16, n, n]
     greedy = torch.tensor([5, 6, 7, 8])
     assert (_labels((greedy, None, torch.tensor([6, 7, 8, 9]), 0), 3) != NO_LABEL).sum(0).tolist() == [3, 2, 1]
+
+
+def test_training_states_are_the_heads_own() -> None:
+    """Training's one-product form of the heads equals the module the engine exports."""
+    from specgraph.methods.medusa.heads import MedusaHeads
+    from specgraph.methods.medusa.train import _states
+
+    heads = MedusaHeads(HIDDEN, HEADS)
+    with torch.no_grad():
+        heads.weight.normal_()
+        heads.bias.normal_()
+    x = torch.randn(2, 5, HIDDEN)
+    assert torch.allclose(_states(heads, x), heads(x), atol=1e-5)
+
+
+def test_the_train_command_takes_the_shared_text_and_schedule_flags(tiny_folder, tiny_bundle, tmp_path, capsys):
+    """`specgraph train --method medusa` with the corpus and schedule flags every method shares
+    (no tokenizer, so no code text); the file records its own argv and the chain's acceptance;
+    a learning rate that is not a positive number is refused in one line."""
+    from specgraph.cli import main
+
+    out = tmp_path / "h.safetensors"
+    argv = ["train", str(tiny_folder("llama")), "--method", "medusa", "--heads", "2", "--prompts",
+            str(_prompt_file(tmp_path)), "-o", str(out), "--epochs", "2", "--lr", "0.01", "--curve", "2",
+            "--max-new-tokens", "12", "--corpus-mb", "0.5", "--threads", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    _, meta = load_heads(out, HIDDEN, VOCAB)
+    assert meta["command"] == report["command"] and "--lr 0.01" in meta["command"]
+    assert len(report["curve"]) == 2 and len(meta["chain"]["chat"]) == 2 and meta["draft_vocab"] is None
+    with pytest.raises(SystemExit):
+        main([*argv[:-1], "--lr", "0"])
+    assert "expected a positive number" in capsys.readouterr().err

@@ -338,6 +338,19 @@ def fit(module: torch.nn.Module, loss_of: Callable[[list[Any]], tuple[torch.Tens
     """AdamW with cosine decay over `module`'s trainable parameters, `schedule.epochs` shuffled
     passes over `train` in batches; `loss_of(batch)` gives (loss, entries it counted). Returns the
     mean loss per epoch and `schedule.curve` points of `evaluate()` against the entries seen."""
+    # subnormal floats (a softmax's far tail, its gradient) take a slow path on x86 that made a
+    # readout's backward 17x slower here; flushed to zero while training, restored after
+    flushed = torch.set_flush_denormal(True)
+    try:
+        return _fit(module, loss_of, evaluate, train, schedule, rng, progress)
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+
+
+def _fit(module: torch.nn.Module, loss_of: Callable[[list[Any]], tuple[torch.Tensor, int]],
+         evaluate: Callable[[], dict[str, Any]], train: list[Any], schedule: Schedule, rng: random.Random,
+         progress: bool) -> tuple[list[float], list[dict[str, Any]]]:  # fmt: skip
     steps = schedule.epochs * math.ceil(len(train) / schedule.batch_size)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=schedule.lr, weight_decay=0.0)

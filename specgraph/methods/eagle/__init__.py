@@ -150,12 +150,12 @@ class EagleMethod(Method):
                                 f"(1 to {MAX_DEPTH}; default 1: from the target's only). Each step costs one more pass a batch")  # fmt: skip
 
     def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
-        from specgraph.methods.eagle.train import train_eagle
+        from specgraph.methods.eagle.train import LR, train_eagle
         from specgraph.methods.teacher import text_of
 
         text = text_of(args)
         return train_eagle(model=args.model, output=args.output, prompts=text.prompts, corpus_mb=text.corpus_mb,
-                           max_new_tokens=text.max_new_tokens, epochs=args.epochs or 2, seq_len=text.seq_len,
+                           max_new_tokens=text.max_new_tokens, epochs=args.epochs or 2, lr=args.lr or LR, seq_len=text.seq_len,
                            curve=args.curve, threads=args.threads, progress=progress, command=command,
                            force=args.force, samples=text.samples, functions=text.functions,
                            token_loss=args.token_loss, depth=args.train_depth)  # fmt: skip

@@ -45,6 +45,7 @@ from specgraph.methods.teacher import (
 )
 
 CE_WEIGHT = 0.3  # the token loss beside the feature regression
+LR = 1e-3  # the peak learning rate (`--lr`)
 NOISE = 0.1  # std of the Gaussian noise on input features, relative to their RMS
 TOKEN_LOSSES = ("argmax", "distribution")
 MAX_DEPTH = 4  # training passes (`Schedule.depth`): the engine drafts at most a few tokens deep
@@ -57,7 +58,7 @@ def train_eagle(
     corpus_mb: float = 1.0,
     max_new_tokens: int = 128,
     epochs: int = 2,
-    lr: float = 1e-3,
+    lr: float = LR,
     seq_len: int = 256,
     batch_size: int = 8,
     holdout: float = 0.05,

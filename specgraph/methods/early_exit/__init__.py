@@ -111,7 +111,7 @@ class EarlyExitMethod(DraftMethod):
         if args.exit_layer is None:
             raise InputError("specgraph train --method early-exit needs --exit-layer E (1 <= E < the model's layers)")
         text = text_of(args)
-        schedule = Schedule(epochs=args.epochs or 2, lr=LR, curve=args.curve)
+        schedule = Schedule(epochs=args.epochs or 2, lr=args.lr or LR, curve=args.curve)
         return train_early_exit(args.model, args.output, args.exit_layer, text, schedule, threads=args.threads,
                                 progress=progress, command=command, force=args.force)  # fmt: skip
 

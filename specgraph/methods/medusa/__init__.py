@@ -244,10 +244,10 @@ class MedusaMethod(Method):
         add_corpus_flags(group)
 
     def train(self, args: argparse.Namespace, progress: bool, command: str) -> dict[str, Any]:
-        from specgraph.methods.medusa.train import train_medusa
+        from specgraph.methods.medusa.train import EPOCHS, LR, train_medusa
         from specgraph.methods.teacher import Schedule, text_of
 
-        schedule = Schedule(epochs=args.epochs or 2, curve=args.curve)
+        schedule = Schedule(epochs=args.epochs or EPOCHS, lr=args.lr or LR, curve=args.curve)
         return train_medusa(args.model, args.output, args.heads, text_of(args), schedule,
                             separate_lm_heads=args.separate_lm_heads, threads=args.threads, progress=progress,
                             command=command, force=args.force)  # fmt: skip
