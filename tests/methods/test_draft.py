@@ -302,6 +302,8 @@ def test_a_row_starts_stopped_where_the_drafter_is_not_expected_to_pay():
     # the prior of a K-draft round: the best held-out set's a1 (1 + a2 + ...), one rate for early exit
     assert trained_accepted({"chat": [0.4, 0.5], "code": [0.5, 0.2]}, 2) == pytest.approx(0.6)
     assert trained_accepted({"chat": 0.5}, 3) == pytest.approx(0.875) and trained_accepted(None, 2) is None
+    # Medusa's heads: one rate per depth, the last kept further down
+    assert trained_accepted({"chat": [0.5, 0.4, 0.2]}, 4) == pytest.approx(0.5 + 0.2 + 0.04 + 0.008)
 
 
 def test_a_row_whose_drafts_pay_on_average_drafts_through_runs_of_rejections():
