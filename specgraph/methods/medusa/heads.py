@@ -36,11 +36,13 @@ class MedusaHeads(torch.nn.Module):
         self.meta: dict[str, Any] = {}  # a loaded file's header: model, training figures, measured acceptance
         self.vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary (compile)
 
-    def readout(self, h: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        """Head states h [..., K, H] -> logits [..., K, V], through `shared` [V, H] or own LM heads."""
+    def readout(self, h: torch.Tensor, shared: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Head states h [..., K, H] -> logits [..., K, V], through `shared` [V, H] or own LM heads
+        (their `rows` only, when given: a reduced vocabulary that `shared` already holds)."""
         if self.lm_heads is None:
             return h @ shared.T
-        return torch.einsum("...kh,kvh->...kv", h, self.lm_heads)
+        own = self.lm_heads if rows is None else self.lm_heads[:, rows]  # [K, V, H]
+        return torch.einsum("...kh,kvh->...kv", h, own)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., K, H]"""

@@ -186,10 +186,7 @@ def _states(heads: MedusaHeads, x: torch.Tensor) -> torch.Tensor:
 
 def _logits(heads: MedusaHeads, teacher: Teacher, x: torch.Tensor) -> torch.Tensor:
     """Features [..., H] -> each head's logits over the draft vocabulary [..., K, V_d]."""
-    states = _states(heads, x)  # [..., K, H]
-    if heads.lm_heads is None:
-        return states @ teacher.readout.T
-    return torch.einsum("...kh,kvh->...kv", states, heads.lm_heads[:, teacher.ids])
+    return heads.readout(_states(heads, x), teacher.readout, teacher.ids)
 
 
 def _train(heads, teacher, train, held, schedule, rng, progress):  # type: ignore[no-untyped-def]
