@@ -26,8 +26,7 @@ from tqdm import tqdm
 from specgraph.bench import encode_prompt, read_prompts
 from specgraph.corpus import stdlib_text
 from specgraph.draft_vocab import _DIR, coverage, rank_tokens, save_ranking
-from specgraph.loaders import load_model, load_tokenizer
-from specgraph.methods.medusa.heads import model_fingerprint
+from specgraph.loaders import load_model, load_tokenizer, model_fingerprint
 from specgraph.runtime import Engine
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768)

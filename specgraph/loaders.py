@@ -141,6 +141,20 @@ def source_path(model: str) -> str:
     return str(Path(model).expanduser().resolve())
 
 
+def model_fingerprint(loaded: LoadedModel) -> str | None:
+    """Who a drafter belongs to, by content: a hash of the model's vocabulary and hidden sizes and
+    of every 1/256th row of its token embedding (float32). The same model from any path (the
+    GGUF, its safetensors conversion, a renamed copy) gives the same fingerprint. None for a
+    source without a Hugging Face model (a torch.export program)."""
+    model = getattr(loaded, "hf_model", None)
+    if model is None:
+        return None
+    w = model.get_input_embeddings().weight.detach().to(torch.float32)  # [V, H]
+    v, h = w.shape
+    rows = w[:: max(1, v // 256)].contiguous().numpy()
+    return hashlib.blake2b(f"{v}x{h}".encode() + rows.tobytes(), digest_size=16).hexdigest()
+
+
 def load_tokenizer(folder: Path, error: type[SpecgraphError] = ModelLoadError) -> PreTrainedTokenizerBase:
     """The tokenizer saved in `folder`, never running code the folder names (`auto_map`) and
     never reaching a hub; `error` (ModelLoadError, BundleError...) if it cannot be loaded."""

@@ -105,9 +105,8 @@ def test_shipped_heads_are_found_by_content_from_any_path():
     """The GGUF file itself (not the alias) finds the shipped Medusa heads: they are keyed by the
     model's fingerprint, not its name."""
     from specgraph.default_model import gguf_path
-    from specgraph.loaders import load_model
+    from specgraph.loaders import load_model, model_fingerprint
     from specgraph.methods.medusa import SHIPPED_HEADS
-    from specgraph.methods.medusa.heads import model_fingerprint
 
     alias, gguf = load_model("smollm2-135m"), load_model(str(gguf_path()))
     assert alias.name != gguf.name

@@ -199,8 +199,7 @@ def test_heads_for_another_model_are_refused_by_fingerprint(tiny_folder, tmp_pat
 
 
 def test_heads_trained_for_this_model_carry_its_fingerprint(tiny_folder, tmp_path):
-    from specgraph.loaders import load_model
-    from specgraph.methods.medusa.heads import model_fingerprint
+    from specgraph.loaders import load_model, model_fingerprint
 
     loaded = load_model(str(tiny_folder("llama")))
     heads = MedusaHeads(64, 4)

@@ -411,7 +411,7 @@ def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, d
     from specgraph.anatomy import analyze
     from specgraph.capture import capture
     from specgraph.compiler import passes_for
-    from specgraph.methods.medusa.heads import model_fingerprint
+    from specgraph.loaders import model_fingerprint
     from specgraph.methods.none import NONE
     from specgraph.passes import PassContext
 

@@ -39,8 +39,7 @@ from tqdm import tqdm
 from specgraph import corpus, draft_vocab
 from specgraph.bench import encode_prompt
 from specgraph.errors import InputError, OutputError
-from specgraph.loaders import load_model, load_tokenizer
-from specgraph.methods.medusa.heads import model_fingerprint
+from specgraph.loaders import load_model, load_tokenizer, model_fingerprint
 from specgraph.methods.replies import SAMPLE_PARAMS, gen_cache_path, generate_replies, split_held, training_inputs
 from specgraph.outputs import FEATURE_CACHE, GEN_CACHE, HEADS, check_output, write_file
 

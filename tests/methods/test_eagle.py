@@ -12,10 +12,9 @@ import torch
 
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.errors import InputError, ModelLoadError, OutputError
-from specgraph.loaders import load_model
+from specgraph.loaders import load_model, model_fingerprint
 from specgraph.methods.eagle.drafter import EagleDrafter, Shape, load_drafter, save_drafter
 from specgraph.methods.eagle.train import train_eagle
-from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
 from tests.methods.test_draft import NEW_TOKENS, PROMPTS

@@ -14,10 +14,9 @@ from safetensors.torch import save_file
 
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.errors import InputError
-from specgraph.loaders import load_model
+from specgraph.loaders import load_model, model_fingerprint
 from specgraph.methods.early_exit.adapter import adapter_init, load_adapter, parts, save_adapter
 from specgraph.methods.early_exit.train import train_early_exit
-from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.methods.teacher import Schedule, Text
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy

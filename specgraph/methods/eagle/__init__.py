@@ -28,6 +28,7 @@ import torch
 
 from specgraph import draft_vocab
 from specgraph.errors import InputError
+from specgraph.loaders import model_fingerprint
 from specgraph.methods.base import Built, Finished, Measure, Method
 from specgraph.methods.draft import (
     DrafterOptions,
@@ -39,7 +40,6 @@ from specgraph.methods.draft import (
     shipped_file,
 )
 from specgraph.methods.eagle.drafter import EagleDrafter, load_drafter
-from specgraph.methods.medusa.heads import model_fingerprint
 from specgraph.passes import add_feature_output
 from specgraph.step import attn_span, chain_masks
 

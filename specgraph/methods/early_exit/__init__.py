@@ -116,7 +116,7 @@ class EarlyExitMethod(DraftMethod):
                                 progress=progress, command=command, force=args.force)  # fmt: skip
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> Any:
-        from specgraph.methods.medusa.heads import model_fingerprint
+        from specgraph.loaders import model_fingerprint
 
         opts: EarlyExitOptions = cfg.opts
         if loaded.hf_model is None:

@@ -27,6 +27,7 @@ import torch
 
 from specgraph import draft_vocab
 from specgraph.errors import InputError
+from specgraph.loaders import model_fingerprint
 from specgraph.methods.base import Built, Finished, Measure, Method
 from specgraph.methods.draft import (
     AUTO_MAX_DRAFT,
@@ -38,7 +39,7 @@ from specgraph.methods.draft import (
     per_round,
     quantise_drafter,
 )
-from specgraph.methods.medusa.heads import MedusaHeads, load_heads, model_fingerprint
+from specgraph.methods.medusa.heads import MedusaHeads, load_heads
 from specgraph.methods.medusa.tree import Tree, build_tree, load_tree, named_tree
 from specgraph.passes import add_feature_output, add_kv_compaction, add_medusa_heads
 from specgraph.step_tree import TreeStepEngine
@@ -48,7 +49,7 @@ TYPICAL = (0.09, 0.3, 0.7)  # Medusa's defaults: posterior threshold, alpha, tem
 TOPK = 10  # candidates kept per head; tree ranks must be below this
 DRAFT_VOCAB = draft_vocab.MEDUSA_DEFAULT  # the reduced draft vocabulary where the model has a ranking
 # The heads that ship with the package, by the fingerprint of the model they were trained for
-# (`heads.model_fingerprint`): any path to that model finds them, whatever its file is called.
+# (`loaders.model_fingerprint`): any path to that model finds them, whatever its file is called.
 SHIPPED_HEADS = {"0ebad5bc77922ab0d3f1f04924907dee": "smollm2-135m-medusa4.safetensors"}  # SmolLM2-135M-Instruct
 _HEADS_DIR = Path(__file__).resolve().parents[2] / "data" / "heads"
 CHAIN = "chain"  # --tree chain: the chain engine (see the module docstring)

@@ -7,7 +7,6 @@ Zero weights make every head equal to the plain LM head, so an untrained head is
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -58,20 +57,6 @@ def save_heads(path: str | Path, heads: MedusaHeads, meta: dict[str, Any]) -> No
     if heads.lm_heads is not None:
         tensors["lm_heads"] = heads.lm_heads.detach().contiguous()
     save_file(tensors, str(path), metadata=header)
-
-
-def model_fingerprint(loaded: Any) -> str | None:
-    """Who a drafter belongs to, by content: a hash of the model's vocabulary and hidden sizes and
-    of every 1/256th row of its token embedding (float32). The same model from any path (the
-    GGUF, its safetensors conversion, a renamed copy) gives the same fingerprint. None for a
-    source without a Hugging Face model (a torch.export program)."""
-    model = getattr(loaded, "hf_model", None)
-    if model is None:
-        return None
-    w = model.get_input_embeddings().weight.detach().to(torch.float32)  # [V, H]
-    v, h = w.shape
-    rows = w[:: max(1, v // 256)].contiguous().numpy()
-    return hashlib.blake2b(f"{v}x{h}".encode() + rows.tobytes(), digest_size=16).hexdigest()
 
 
 def load_heads(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[MedusaHeads, dict[str, Any]]:
