@@ -247,6 +247,7 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
                             skip=built.meta.get("weights_skip"), one_token=not cfg.spec.speculative,
                             kernels=kernels)  # fmt: skip
     times["weights"] = times.get("weights", 0.0) + time.perf_counter() - t0
+    built.meta["kernels"] = weights.get("kernels", "ort")  # native: the bundle loads specgraph's kernel library
     tokenizer = _copy_tokenizer(loaded, staging)
     inputs, outputs = engine.io_names()
     body: dict[str, Any] = {

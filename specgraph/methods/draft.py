@@ -657,11 +657,16 @@ def _gate(staging: Path, engine: ModelDrafts) -> int:
                         tokens="next_tokens")  # fmt: skip
 
 
-def quantise_drafter(staging: Path, bits: int, block_size: int) -> dict[str, Any]:
+def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = False) -> dict[str, Any]:
     """Run the staged engine's drafter matrices (`draft_gm.*`) as `bits`-bit blocks with int8
     activations (`exporters/nbits.py`, accuracy level 4): a drafter only proposes, so its
-    arithmetic costs acceptance, never exactness. Returns the manifest's description."""
+    arithmetic costs acceptance, never exactness. With `native` (a bundle that runs specgraph's
+    kernels already) they are `specgraph.BlockMatMul` nodes in float32 instead, 8-bit codes in
+    wide lanes, with the norms, SwiGLU and residual adds around them folded in as the target's
+    are: one node a product where ONNX Runtime's path takes four or five (docs/benchmarks.md,
+    EAGLE). Returns the manifest's description."""
     from specgraph import blocks
+    from specgraph.exporters.native_fusion import fuse_into_block_matmuls
     from specgraph.exporters.nbits import run_weights_as_blocks
 
     own = lambda name, w: (  # noqa: E731
@@ -669,9 +674,15 @@ def quantise_drafter(staging: Path, bits: int, block_size: int) -> dict[str, Any
         if name.startswith("draft_gm.") and w.shape[1] % block_size == 0
         else None
     )
-    report = run_weights_as_blocks(staging / "model.onnx", own, accuracy_level=4, tables="draft_gm.")
-    return {"weights": f"int{bits}", "activations": "int8", "block_size": block_size, "matmuls": report.matmuls,
-            "float32_bytes": report.float_bytes, "block_bytes": report.stored_bytes}  # fmt: skip
+    path = staging / "model.onnx"
+    report = run_weights_as_blocks(path, own, accuracy_level=1 if native else 4, tables="draft_gm.", native=native,
+                                   wide=native)  # fmt: skip
+    section = {"weights": f"int{bits}", "activations": "float32" if native else "int8", "block_size": block_size,
+               "kernels": "native" if native else "ort", "matmuls": report.matmuls,
+               "float32_bytes": report.float_bytes, "block_bytes": report.stored_bytes}  # fmt: skip
+    if native:
+        section["native_fused"] = fuse_into_block_matmuls(path)  # the target's were folded before: these are its own
+    return section
 
 
 def _reduce_readout(gm: torch.fx.GraphModule, lm_head: torch.fx.Node, ids: torch.Tensor) -> None:

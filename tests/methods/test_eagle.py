@@ -356,6 +356,9 @@ def test_source_gguf_engine_equals_its_none_engine(tmp_path):
     # the drafter embeds its drafts through the target's table: one more Gather of the same blocks
     # a draft step (K = 3), and no float copy of the table
     gathers = {m: w.pop("gathers") for m, w in weights.items()}
+    # the drafter's cached attention is fused too, in each of its K runs (CachedAttention when native)
+    attention = {m: w.pop("native_attention") for m, w in weights.items()}
+    assert attention["eagle"] == attention["none"] + (3 if weights["none"]["kernels"] == "native" else 0)
     assert gathers == {"none": 1, "eagle": 4} and float_copies(tmp_path / "eagle") == []
     assert weights["eagle"] == weights["none"] and lanes["eagle"] == 0 and one_row["none"] == (0, 0)
     assert stored["eagle"] == stored["none"] + one_row["eagle"][1]
@@ -364,7 +367,13 @@ def test_source_gguf_engine_equals_its_none_engine(tmp_path):
     assert (lanes["none"] > 0) == (weights["none"]["kernels"] == "native")
     if fused["none"]:
         assert fused["eagle"] == {**fused["none"], "norms": fused["none"]["norms"] - 1}
-    assert engines["eagle"].manifest["eagle"]["weights"]["weights"] == "int8"  # the drafter's own blocks
+    own = engines["eagle"].manifest["eagle"]["weights"]
+    assert own["weights"] == "int8" and own["kernels"] == weights["none"]["kernels"]  # the drafter's own blocks
+    if own["kernels"] == "native":  # in float32, its norms, SwiGLU and residual adds folded in, per run
+        assert own["activations"] == "float32"
+        assert own["native_fused"] == {"norms": 2 * 3, "glus": 3, "residuals": 2 * 3}
+    else:
+        assert own["activations"] == "int8" and "native_fused" not in own
     for prompt in PROMPTS[:2]:
         want = engines["none"].generate(prompt, max_new_tokens=24, stop_at_eos=False).output_ids
         assert engines["eagle"].generate(prompt, max_new_tokens=24, stop_at_eos=False).output_ids == want

@@ -78,6 +78,9 @@ class EagleStepEngine(ModelDrafts):
         super().__init__(target, num_layers, max_context, *args, cache_shapes=drafter.cache_shapes(max_context),
                          vocab=drafter.vocab, **kwargs)  # fmt: skip
         self.draft_gm = drafter  # its weights are draft_gm.* (exporters/gemm.py: the drafter's own products)
+        drafter.pack()
+        shape = drafter.shape  # lets the export fuse the drafter's cached attention, as a draft model's
+        self.draft_heads = [(shape.heads, shape.kv_heads, shape.head_dim**-0.5)]
         self.embed_weight = embed_weight
         if self.vocab_ids is not None:  # the readout: those rows of the LM head, as the drafter's own weight
             rows = self.target.get_parameter(lm_head_weight).detach()[self.vocab_ids].clone()
@@ -196,7 +199,8 @@ class EagleMethod(Method):
                                    "weights": "float32"}  # fmt: skip
         bits = DRAFTER_WEIGHTS[cfg.opts.eagle_weights]
         if bits is not None:
-            section["weights"] = quantise_drafter(staging, bits, DRAFTER_BLOCK)
+            native = built.meta.get("kernels") == "native"  # the bundle loads specgraph's kernels anyway
+            section["weights"] = quantise_drafter(staging, bits, DRAFTER_BLOCK, native)
         section["trained"] = {k: meta[k] for k in ("model", "acceptance", "expected_tokens", "train_tokens",
                                                    "command") if k in meta}  # fmt: skip
         summary = f"EAGLE drafter, {per_round(engine.num_draft)}"

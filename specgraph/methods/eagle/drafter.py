@@ -71,16 +71,31 @@ class EagleDrafter(torch.nn.Module):
         half = torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", 1.0 / (shape.rope_theta**half), persistent=False)
+        self.qkv_proj: torch.nn.Linear | None = None  # q, k, v in one product (`pack`, for the engine)
+        self.gate_up_proj: torch.nn.Linear | None = None  # gate and up in one product
         self.meta: dict[str, Any] = {}  # a loaded file's header: model, training figures
         self.vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary (compile)
 
+    def pack(self) -> None:
+        """Run q, k, v as one product and gate, up as another (the same values, row for row): the
+        export then reads the packed q/k/v in the fused attention and folds the SwiGLU into the
+        down product, as it does for the target's layers (fewer nodes a call)."""
+        packs = {"qkv_proj": (self.q_proj, self.k_proj, self.v_proj), "gate_up_proj": (self.gate_proj, self.up_proj)}
+        for name, parts in packs.items():
+            weight = torch.cat([p.weight.detach() for p in parts])
+            packed = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            packed.weight = torch.nn.Parameter(weight, requires_grad=False)
+            setattr(self, name, packed)
+
     def _rms(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.shape.eps) * self.norms[i]
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.norms[i], self.shape.eps)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of x [B, heads, W, D] at positions [B, W] (Llama's half-split form)."""
-        freqs = positions[:, None, :, None].to(torch.float32) * self.inv_freq  # [B, 1, W, D/2]
-        cos, sin = torch.cat([freqs.cos(), freqs.cos()], -1), torch.cat([freqs.sin(), freqs.sin()], -1)
+        """Rotary embedding of x [B, heads, W, D] at positions [B, W] (Llama's half-split form, in
+        Hugging Face's arithmetic, so the export's rotary and cached-attention fusions take it)."""
+        freqs = positions[:, :, None].to(torch.float32) * self.inv_freq  # [B, W, D/2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [B, W, D]
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # [B, 1, W, D]
         x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -89,16 +104,25 @@ class EagleDrafter(torch.nn.Module):
         b, w = emb.shape[0], emb.shape[1]
         u = self.fc(torch.cat([self._rms(emb, 0), self._rms(feat, 1)], dim=-1))  # [B, W, H]
         x = self._rms(u, 2)
-        q = self.q_proj(x).reshape(b, w, s.heads, s.head_dim).transpose(1, 2)  # [B, Hq, W, D]
-        k = self.k_proj(x).reshape(b, w, s.kv_heads, s.head_dim).transpose(1, 2)  # [B, Hkv, W, D]
-        v = self.v_proj(x).reshape(b, w, s.kv_heads, s.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            kv = s.kv_heads * s.head_dim
+            q, k, v = self.qkv_proj(x).split([s.heads * s.head_dim, kv, kv], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, w, s.heads, s.head_dim).transpose(1, 2)  # [B, Hq, W, D]
+        k = k.reshape(b, w, s.kv_heads, s.head_dim).transpose(1, 2)  # [B, Hkv, W, D]
+        v = v.reshape(b, w, s.kv_heads, s.head_dim).transpose(1, 2)
         return u, self._rotate(q, positions), self._rotate(k, positions), v
 
     def _out(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         b, _, w, _ = attn.shape
         a = u + self.o_proj(attn.transpose(1, 2).reshape(b, w, -1))
         x = self._rms(a, 3)
-        a = a + self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split([self.shape.intermediate, self.shape.intermediate], -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        a = a + self.down_proj(torch.nn.functional.silu(gate) * up)
         return self._rms(a, 4)
 
     def sequence(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
