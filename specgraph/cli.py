@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="how quantised weights are multiplied. native: specgraph's own ONNX Runtime operator "
         "(libspecgraph_kernels.so, built by scripts/install.sh), 1.8x MatMulNBits per step on an AVX2 CPU at "
         "fp32 activations; the bundle then runs only where that library is (the Python and C++ hosts load it). "
-        "ort: ONNX Runtime's MatMulNBits, which any ONNX Runtime runs. auto (default): native when the library "
-        "is built, else ort",
+        "At --weights fp32 native runs only the attention (CachedAttention; the float32 products stay "
+        "ONNX Runtime's). ort: ONNX Runtime's MatMulNBits and attention, which any ONNX Runtime runs. auto "
+        "(default): native when the library is built, else ort",
     )
     c.add_argument(
         "--block-size", type=_positive, default=32, help="int8/int4: weights per quantisation block (default 32)"
@@ -472,7 +473,7 @@ def _details_line(details: dict[str, Any]) -> str:
 def _weights_line(w: dict[str, Any]) -> str:
     """One line on what the engine multiplies by, e.g. 'weights: source, stored Q4_1 x120 + Q8_0 x1 ...'."""
     if w.get("stored") != "blocks":
-        return f"weights: {w['weights']}, float32"
+        return f"weights: {w['weights']}, float32" + _kernels_note(w)
     formats = " + ".join(f"{k} x{v}" for k, v in sorted(w["formats"].items()))
     exact = "exact against the dequantised weights" if w["exact"] else "a different model (rounded activations)"
     same = w.get("rows_agree", {}).get("same_text_as")
@@ -492,7 +493,8 @@ def _one_row_note(w: dict[str, Any]) -> str:
 def _kernels_note(w: dict[str, Any]) -> str:
     if w.get("kernels") != "native":
         return ""
-    return "; native kernels for the products and the attention (runs where libspecgraph_kernels.so is: --kernels ort for any ONNX Runtime)"
+    what = "the products and the attention" if w.get("stored") == "blocks" else "the attention"
+    return f"; native kernels for {what} (runs where libspecgraph_kernels.so is: --kernels ort for any ONNX Runtime)"
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -39,11 +39,11 @@ def check_available() -> None:
 
 
 def resolve(kernels: str, weights: str, activations: str) -> str:
-    """`auto`: native for quantised weights when the library is built, else ort."""
+    """`auto`: native when the library is built (the products of quantised weights and the fused
+    attention layers; float32 products stay ONNX Runtime's), else ort."""
     if kernels != "auto":
         return kernels
-    native = weights != "fp32" and library_path() is not None
-    return "native" if native else "ort"
+    return "native" if library_path() is not None else "ort"
 
 
 def uses_native(manifest: dict[str, Any]) -> bool:

@@ -47,8 +47,6 @@ def check_weights(weights: str, activations: str, block_size: int, kernels: str 
     if kernels not in KERNELS:
         raise InputError(f"unknown --kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
     if kernels == "native":
-        if weights == "fp32":
-            raise InputError("--kernels native runs quantised weights: it needs --weights source, int8 or int4")
         check_available()
 
 
@@ -133,6 +131,9 @@ def store_weights(
         if activations != "fp32":
             raise InputError(f"--activations {activations} needs quantised weights; {model} has none stored")
         section["stored"] = "float32"
+        attention = run_attention_natively(onnx_path) if kernels == "native" else 0
+        if attention:  # float32 products stay ONNX Runtime's; the fused attention layers run natively
+            section.update(kernels="native", native_attention=attention)
         return section
     say("store weights as blocks")
     native = kernels == "native"

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
+from specgraph.kernels import library_path
 from specgraph.runtime import Engine
 from tests.models.tiny import build
 
@@ -29,13 +30,17 @@ def _ops(bundle) -> dict[str, int]:  # type: ignore[no-untyped-def]
 def test_every_layer_of_a_chain_engine_is_fused(family, method, tiny_bundle):
     layers = build(family).config.num_hidden_layers
     ops = _ops(tiny_bundle(family, method))
-    assert ops.get("GroupQueryAttention") == layers
-    assert ops.get("If", 0) >= layers  # one a layer: the fused node, or the generic one for a batched verify
+    if library_path() is not None:  # native kernels: each layer one CachedAttention, whatever the call
+        assert ops.get("CachedAttention") == layers and "GroupQueryAttention" not in ops
+    else:
+        assert ops.get("GroupQueryAttention") == layers
+        assert ops.get("If", 0) >= layers  # one a layer: the fused node, or the generic one for a batched verify
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt2"])
 def test_sliding_windows_and_models_without_rotary_keep_the_generic_attention(family, tiny_bundle):
-    assert "GroupQueryAttention" not in _ops(tiny_bundle(family, "none"))
+    ops = _ops(tiny_bundle(family, "none"))
+    assert "GroupQueryAttention" not in ops and "CachedAttention" not in ops
 
 
 def _logits(engine: Engine, rows: list[list[int]], cache_len: list[int], state) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -47,10 +52,16 @@ def _logits(engine: Engine, rows: list[list[int]], cache_len: list[int], state) 
     return engine.call(engine.session.io_binding(), feeds, state)["logits"].numpy()
 
 
-def test_a_batched_verify_equals_each_row_verified_alone(tiny_bundle):
-    """Two rows of three tokens over caches of different lengths take the generic branch (ONNX
-    Runtime's kernel refuses them); each row alone takes the fused one. Same logits."""
-    engine = Engine(tiny_bundle("llama", "none"))
+@pytest.mark.parametrize("kernels", ["ort", "auto"])
+def test_a_batched_verify_equals_each_row_verified_alone(kernels, tiny_folder, tmp_path):
+    """On ONNX Runtime's kernels two rows of three tokens over caches of different lengths take
+    the generic branch (its kernel refuses them), each row alone the fused one; on native kernels
+    (auto, where the library is built) every call runs `CachedAttention`. Same logits."""
+    from specgraph.compiler import CompileConfig, compile_model
+
+    compile_model(CompileConfig.of(tiny_folder("llama"), tmp_path / "b", max_context=160, emit_logits=True,
+                                   kernels=kernels))  # fmt: skip
+    engine = Engine(tmp_path / "b")
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43]]
     drafts = [[12, 13, 14], [44, 45, 46]]
     alone = []
@@ -78,7 +89,7 @@ def test_a_draft_model_s_runs_are_fused_too_and_stay_exact(tiny_folder, tiny_bun
     layers = build("llama").config.num_hidden_layers
     assert report.pass_counts["fuse_cached_attention"] == {
         "fused_layers": layers, "generic_layers": 0, "fused_draft_runs": 3 * layers}  # fmt: skip
-    assert _ops(out)["GroupQueryAttention"] == 4 * layers
+    assert _ops(out).get("CachedAttention" if library_path() is not None else "GroupQueryAttention") == 4 * layers
     engine, plain = Engine(out), Engine(tiny_bundle("llama", "none"))
     for prompt in ([5, 6, 7, 8, 5, 6, 7, 9, 5, 6], list(range(30, 70))):
         want = plain.generate(prompt, max_new_tokens=40, stop_at_eos=False).output_ids

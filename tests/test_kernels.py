@@ -701,8 +701,6 @@ def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, we
 def test_what_native_kernels_cannot_run_is_refused(tmp_path, capsys, monkeypatch):
     path = str(write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0"))
     out = tmp_path / "out"
-    _cli_refuses(["compile", path, "-o", str(out), "--kernels", "native", "--weights", "fp32"], capsys,
-                 "runs quantised weights")  # fmt: skip
     compile_model(CompileConfig.of(model=path, output=out, max_context=160, kernels="native"))
     monkeypatch.setenv(ENV, str(tmp_path / "absent.so"))
     _cli_refuses(["compile", path, "-o", str(tmp_path / "o2"), "--kernels", "native"], capsys, ENV)
@@ -731,3 +729,26 @@ def test_auto_kernels_are_native_at_either_activations(tmp_path):
         assert weights["kernels"] == "native" and engine.extra_slots == 0
         if activations == "int8":
             assert weights["native_int8"] == weights["matmuls"] > 0 and weights["native_lanes"] == 0
+
+
+def test_float32_weights_run_their_attention_natively(tmp_path):
+    """At --weights fp32 native kernels take the fused attention layers (the products stay ONNX
+    Runtime's float32 Gemms): the bundle says so and loads the library, and its greedy text is
+    the ONNX Runtime bundle's, a draft model's engine (its runs fused too) included."""
+    path = str(write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0"))
+    engines = {}
+    for name, kernels, method, own in (("ort", "ort", "none", {}), ("native", "auto", "none", {}),
+                                       ("draft", "native", "draft", {"draft": "self:int4", "num_draft": 3})):  # fmt: skip
+        compile_model(CompileConfig.of(model=path, output=tmp_path / name, method=method, max_context=160,
+                                       weights="fp32", kernels=kernels, **own))  # fmt: skip
+        engines[name] = Engine(tmp_path / name)
+    layers = engines["ort"].manifest["anatomy"]["decoder_blocks"]
+    assert "kernels" not in engines["ort"].manifest["weights"]
+    native = engines["native"].manifest["weights"]
+    assert native == {"weights": "fp32", "activations": "fp32", "stored": "float32", "kernels": "native",
+                      "native_attention": layers}  # fmt: skip
+    assert engines["draft"].manifest["weights"]["native_attention"] == 4 * layers  # the target's and 3 draft runs
+    for prompt in PROMPTS:
+        want = engines["ort"].generate(prompt, max_new_tokens=32, stop_at_eos=False).output_ids
+        for name in ("native", "draft"):
+            assert engines[name].generate(prompt, max_new_tokens=32, stop_at_eos=False).output_ids == want
