@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="activation-error-"))
     try:
-        arms = {"fp32": ("fp32", resolve("auto", "source", "fp32")), "int8": ("int8", resolve("auto", "source", "int8")),
+        arms = {"fp32": ("fp32", resolve("auto")), "int8": ("int8", resolve("auto")),
                 "int8-ort": ("int8", "ort")}  # fmt: skip
         engines = {name: _variant(args.bundle, work / name, args.model, *arm) for name, arm in arms.items()}
         hf = load_model(args.model).hf_model

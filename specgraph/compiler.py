@@ -235,7 +235,7 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
     heads = [(s.num_heads, s.num_kv_heads, s.scale) for s in anatomy.sites] if fuse else None
     # int8 activations on ONNX Runtime's kernels: a step must round as a verify call does
     # (`fuse_cached_attention`'s pad); the native ones round a row alike in any call
-    kernels = resolve_kernels(cfg.kernels, cfg.weights, cfg.activations)
+    kernels = resolve_kernels(cfg.kernels)
     pad_steps = fuse and cfg.activations == "int8" and kernels == "ort"
     model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads, pad_steps)
     fused = _fused_layers(model_proto, "past_key_")

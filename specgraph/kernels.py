@@ -38,7 +38,7 @@ def check_available() -> None:
         raise InputError(f"--kernels native: {_missing()}; or compile with --kernels ort")
 
 
-def resolve(kernels: str, weights: str, activations: str) -> str:
+def resolve(kernels: str) -> str:
     """`auto`: native when the library is built (the products of quantised weights and the fused
     attention layers; float32 products stay ONNX Runtime's), else ort."""
     if kernels != "auto":
