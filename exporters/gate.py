@@ -8,6 +8,15 @@ drafter's state through unchanged and makes `next_tokens` the bonus repeated: wi
 the host sends only its first column. Nothing the target computes moves, so verification and the
 emitted tokens are the same whichever branch runs.
 
+A drafter that runs only in some calls would keep a hole in its cache for every token committed in
+the others: its catch-up covers the call it runs in, not the ones it skipped. Where the drafter's
+layers are the target's own (`--draft self:int4`, early exit's first E layers), `fill` names, for
+each such drafter cache, the target cache whose layout it shares: the `else` branch then writes the
+slots this call's tokens took in the target's cache (its keys and values of the committed tokens,
+from `cache_len` on) into the drafter's, so the drafter reads the target's keys and values for
+the tokens of a round it skipped instead of stale slots (docs/benchmarks.md, the draft-model
+section: without it a self-draft's acceptance after idle rounds fell by up to half).
+
 It runs after every other rewrite (Gemm, weight blocks, the drafter's quantisation): those see
 the main graph only, and the branch reads their initializers from the outer scope.
 """
@@ -22,13 +31,17 @@ from onnx import helper
 from specgraph.exporters.gemm import outer_reads
 
 
-def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, str], count: str, tokens: str) -> int:
-    """Rewrite `path` in place (its external data is untouched); return how many nodes moved.
+def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, str], count: str, tokens: str,
+                 fill: dict[str, str] | None = None) -> tuple[int, int]:  # fmt: skip
+    """Rewrite `path` in place (its external data is untouched); return how many nodes moved and
+    how many drafter caches the idle branch fills.
 
     drafter_outputs: the graph outputs only the drafter computes (its state and `tokens`);
     passthrough: each drafter state output -> the input the `else` branch passes on instead;
     count: the [B] output whose maximum decides; tokens: the next-round tokens output, a Concat
-    whose first input is the bonus."""
+    whose first input is the bonus; fill: drafter cache output -> the target cache output whose
+    slots from `cache_len` the `else` branch writes into it (where both are [B, Hkv, S, D] alike,
+    `_same_cache`; any other cache is passed through)."""
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
@@ -42,6 +55,10 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
         raise ValueError(f"{tokens} is not a Concat of the drafter's tokens")
     declared = {o.name: o for o in graph.output}
     then_outputs, else_nodes, else_outputs = [], [], []
+    values = {v.name: v for v in [*graph.input, *graph.output]}
+    fillable = {name: target for name, target in (fill or {}).items() if _same_cache(values, passthrough[name], target)}
+    if fillable:
+        else_nodes += _slot_index(values[next(iter(fillable.values()))])
     rename = {name: f"{name}__then" for name in drafter_outputs}
     for node in moved:  # inside the branch the outputs have names of their own (readers included)
         node.output[:] = [rename.get(o, o) for o in node.output]
@@ -52,6 +69,10 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
         if name == tokens:
             width = len(concat.input)
             else_nodes.append(helper.make_node("Concat", [concat.input[0]] * width, [out], axis=1))
+        elif name in fillable:
+            taken = f"{name}__slots"  # the target's keys or values of this call's tokens [B, Hkv, T, D]
+            else_nodes.append(helper.make_node("GatherElements", [fillable[name], _SLOTS], [taken], axis=2))
+            else_nodes.append(helper.make_node("TensorScatter", [passthrough[name], taken, _CACHE_LEN], [out], axis=2))
         else:
             else_nodes.append(helper.make_node("Identity", [passthrough[name]], [out]))
         else_outputs.append(_like(declared[name], out))
@@ -68,7 +89,58 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
     del graph.node[:]
     graph.node.extend([*kept, most, zero, cond, gate])
     onnx.save_model(model, str(path))
-    return len(moved)
+    return len(moved), len(fillable)
+
+
+_TOKENS, _CACHE_LEN = "tokens", "cache_len"  # the step engine's inputs (specgraph/step.py)
+_SLOTS = "gate_fill_slots"  # [B, Hkv, T, D] int64: cache_len[b] + t, the slots this call wrote
+
+
+def _same_cache(values: dict[str, onnx.ValueInfoProto], drafter: str, target: str) -> bool:
+    """Whether the drafter's cache input `drafter` and the target's cache output `target` have the
+    same sizes with the sequence on axis 2: a value cache is [B, Hkv, S, D]; a key cache only
+    counts where it is laid out as its layer's values are (a fused attention's), not transposed
+    ([B, Hkv, D, S], the generic layers'), which S == D would make ambiguous."""
+    if target not in values or drafter not in values:
+        return False
+    a, b = (_dims(values[n]) for n in (drafter, target))
+    if len(a) != 4 or a[1:] != b[1:] or not all(isinstance(d, int) for d in a[1:]):
+        return False
+    if "_key_" not in drafter:
+        return True
+    layer_values = drafter.replace("_key_", "_value_")
+    return layer_values in values and _dims(values[layer_values])[1:] == a[1:] and a[2] != a[3]
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | str]:
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+def _slot_index(cache: onnx.ValueInfoProto) -> list[onnx.NodeProto]:
+    """Nodes computing `_SLOTS` for caches shaped like `cache`: [B, Hkv, T, D] of cache_len[b] + t."""
+    shape = _dims(cache)  # [B, Hkv, S, D], `_same_cache` checked that all but B are numbers
+    heads, dim = int(shape[1]), int(shape[3])
+    mk, i64 = helper.make_node, onnx.TensorProto.INT64
+    const = lambda name, values, shape=None: mk("Constant", [], [name], value=helper.make_tensor(  # noqa: E731
+        name, i64, [len(values)] if shape is None else shape, values))  # fmt: skip
+    return [
+        const("gate_fill_zero", [0], []),
+        const("gate_fill_one", [1], []),
+        const("gate_fill_axes", [1], [1]),
+        const("gate_fill_axes13", [1, 3]),
+        mk("Shape", [_TOKENS], ["gate_fill_tshape"], start=1, end=2),
+        mk("Squeeze", ["gate_fill_tshape"], ["gate_fill_t"]),
+        mk("Range", ["gate_fill_zero", "gate_fill_t", "gate_fill_one"], ["gate_fill_steps"]),  # [T]
+        mk("Unsqueeze", [_CACHE_LEN, "gate_fill_axes"], ["gate_fill_start"]),  # [B, 1]
+        mk("Add", ["gate_fill_start", "gate_fill_steps"], ["gate_fill_at"]),  # [B, T]
+        mk("Unsqueeze", ["gate_fill_at", "gate_fill_axes13"], ["gate_fill_at4"]),  # [B, 1, T, 1]
+        mk("Shape", ["gate_fill_at4"], ["gate_fill_bt"]),
+        const("gate_fill_keep", [1, 0, 1, 0]),
+        const("gate_fill_hd", [0, heads, 0, dim]),
+        mk("Mul", ["gate_fill_bt", "gate_fill_keep"], ["gate_fill_bt0"]),
+        mk("Add", ["gate_fill_bt0", "gate_fill_hd"], ["gate_fill_shape"]),  # [B, Hkv, T, D]
+        mk("Expand", ["gate_fill_at4", "gate_fill_shape"], [_SLOTS]),
+    ]
 
 
 def _slice(graph: onnx.GraphProto, producer: dict, names: list[str]) -> set[int]:  # type: ignore[type-arg]

@@ -168,6 +168,9 @@ class Drafter:
     vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary: its ids, its report
     trained: dict[str, Any] | None = None  # what a trained drafter's file says of it (early-exit's adapter)
     heads: list[tuple[int, int, float]] = field(default_factory=list)  # (num_heads, kv_heads, scale) a layer
+    # leading layers that are the target's own (self:int4/int8, early exit's first E): in a call
+    # that skips the drafter, the target's keys and values of them fill its cache (exporters/gate.py)
+    target_layers: int = 0
 
 
 class ModelDrafts(StepEngine):
@@ -182,6 +185,8 @@ class ModelDrafts(StepEngine):
     # True: the drafts are the drafter's argmax even when sampling, point masses that the one-hot
     # form of the rule verifies (no q carried, one uniform a position; Medusa's chain)
     point_masses = False
+    # leading drafter layers whose cache the target's keys and values may fill (DraftStepEngine)
+    target_layers = 0
 
     def __init__(self, *args: Any, num_draft: int, vocab_size: int, cache_shapes: list[tuple[int, ...]],
                  vocab: tuple[torch.Tensor, dict[str, Any]] | None, adaptive: bool = False,
@@ -332,6 +337,7 @@ class DraftStepEngine(ModelDrafts):
         self.draft_gm = drafter.gm  # registered as a submodule: its weights are draft_gm.*
         self.draft_window = drafter.window
         self.draft_heads = drafter.heads  # lets the export fuse the draft's cached attention too
+        self.target_layers = drafter.target_layers
 
     def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
         b, t = tokens.shape
@@ -387,7 +393,10 @@ class DraftMethod(Method):
         source = loaded if opts.draft in SELF else load_model(opts.draft)
         if source is not loaded:
             check_same_tokenizer(loaded, source)
-        return model_drafter(source, loaded, anatomy, cfg, opts.draft, default_vocab=0)
+        drafter = model_drafter(source, loaded, anatomy, cfg, opts.draft, default_vocab=0)
+        if source is loaded:  # the target's own copy: every layer's keys and values stand in for its own
+            drafter.target_layers = drafter.num_layers
+        return drafter
 
     def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
         return build_draft_engine(gm, anatomy, cfg, drafter, window)
@@ -502,7 +511,7 @@ def auto_draft(staging: Path, engine: ModelDrafts, section: dict[str, Any], opts
     from specgraph.bench import acceptance_by_depth, prompt_ids
 
     placeholder = Finished(section, draft_depth=engine.num_draft)
-    _gate(staging, engine)
+    _gate(staging, engine)  # the measuring build: its threshold 0 keeps every row drafting
     live = measure(placeholder)
     counts: list[int] = []
     for name in opts.prompt_sets:
@@ -614,7 +623,7 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     from specgraph.exporters.onnx import set_initializer
 
     path = staging / "model.onnx"
-    moved = _gate(staging, engine)
+    moved, filled = _gate(staging, engine)
     live = measure(placeholder)
     k = engine.num_draft
     rounds, idle_s = _time_gated(live, engine, [k + 1])
@@ -627,7 +636,7 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
     return {"threshold": round(threshold, 4), "measured_threshold": round(measured, 4), "prior": round(prior, 4),
             "round_ms": round(round_s * 1e3, 2), "idle_ms": round(idle_s * 1e3, 2), "decay": ADAPT_DECAY,
             "probe_every": PROBE_EVERY, "probe_max_wait": PROBE_MAX_WAIT, "probe_budget": PROBE_BUDGET,
-            "gated_nodes": moved}  # fmt: skip
+            "gated_nodes": moved, "filled_caches": filled}  # fmt: skip
 
 
 def _time_gated(live: Any, engine: ModelDrafts, widths: Any) -> tuple[dict[int, float], float]:
@@ -646,15 +655,18 @@ def _time_gated(live: Any, engine: ModelDrafts, widths: Any) -> tuple[dict[int, 
     return {n: float(np.median(t)) for n, t in drafting.items()}, float(np.median(idle))
 
 
-def _gate(staging: Path, engine: ModelDrafts) -> int:
-    """Put the staged engine's drafter in the `If` that skips it (exporters/gate.py); returns
-    how many nodes moved."""
+def _gate(staging: Path, engine: ModelDrafts) -> tuple[int, int]:
+    """Put the staged engine's drafter in the `If` that skips it (exporters/gate.py), the caches
+    of its layers that are the target's own filled from the target's when it is skipped; returns
+    how many nodes moved and how many caches are filled."""
     from specgraph.exporters.gate import gate_drafter
 
     state = [o for o in engine.draft_outputs if not o.startswith(ADAPT_STATE) and o != "n_draft"]
     passthrough = {o: o.replace("present", "past").removesuffix("_out") for o in state}
+    shared = kv_names("draft_present", engine.target_layers)
+    fill = dict(zip(shared, kv_names("present", engine.target_layers), strict=True))
     return gate_drafter(staging / "model.onnx", ["next_tokens", *state], passthrough, count="n_draft",
-                        tokens="next_tokens")  # fmt: skip
+                        tokens="next_tokens", fill=fill)  # fmt: skip
 
 
 def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = False) -> dict[str, Any]:

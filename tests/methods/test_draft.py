@@ -112,6 +112,42 @@ def test_batch_rows_accept_different_counts(bundles):
         assert result.output_ids == engine.generate(row, max_new_tokens=32, stop_at_eos=False).output_ids
 
 
+def test_a_call_that_skips_the_drafter_fills_its_cache_with_the_targets(tiny_folder, tmp_path):
+    """`--adaptive` with the target's own copy: a call in which no row drafts skips the drafter
+    (the gate's `If`) and writes the target's keys and values of its tokens into the drafter's
+    cache instead, so a later probe reads no stale slot. A round must accept all K = 3 drafts to
+    pay here (threshold 3), so the row soon stops and probes. The output stays the target's."""
+    import numpy as np
+
+    out = tmp_path / "adaptive"
+    compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, draft="self:int4",
+                                   num_draft=3, adaptive=True, adaptive_threshold=3.0))  # fmt: skip
+    engine = Engine(out)
+    caches = [n for n in engine.manifest["graph"]["state"] if n.startswith("draft_past_")]
+    assert engine.manifest["draft"]["adaptive"]["filled_caches"] == len(caches) > 0
+    prompt = PROMPTS[2]
+    state, io = engine.new_state(1), engine.session.io_binding()
+    feeds = engine.first_feeds(np.asarray([prompt], np.int64), [len(prompt)], 0)
+    at, skipped = 0, 0
+    for _ in range(40):
+        result = engine.call(io, feeds, state)
+        done = int(result["cache_len_out"].numpy()[0])
+        if int(result["n_draft"].numpy()[0]) == 0:  # no row drafts next: this call skipped the drafter
+            skipped += 1
+            for name in caches:  # the slots this call wrote: the target's, in the drafter's cache
+                mine, target = state[name].numpy(), state[name.replace("draft_", "")].numpy()
+                np.testing.assert_array_equal(mine[:, :, at:done], target[:, :, at:done], err_msg=name)
+        feeds = {i: result[o] for o, i in engine._bindings.items() if o not in engine._in_place}
+        keep = 1 + int(result["n_draft"].numpy().max())
+        feeds[engine._bindings["next_tokens"]] = np.ascontiguousarray(result["next_tokens"].numpy()[:, :keep])
+        feeds = {**feeds, **engine._constants, "n_fixed": np.ones(1, np.int64)}
+        at = done
+    assert skipped >= 20  # most calls skipped the drafter
+    model = build("llama")
+    result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+    assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+
+
 def test_draft_writes_no_cache_slot_past_the_end(bundles):
     """The draft's steps write past the bonus: the host stops before they would leave the cache."""
     engine = Engine(bundles("self:int8"))

@@ -220,6 +220,7 @@ def test_adaptive_engine_is_lossless_and_an_idle_call_skips_the_drafter(tiny_fol
     engine = Engine(out)
     section = engine.manifest["eagle"]["adaptive"]
     assert section["threshold"] == section["measured_threshold"] > 0 and section["idle_ms"] < section["round_ms"]
+    assert section["filled_caches"] == 0  # its layer is not the target's: a skipped call cannot fill it
     assert engine.manifest["graph"]["trims"] == {"next_tokens": "n_draft"}
     nodes = onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
     # gqa*: fused attention; sample*, speculative*: a sampling operator skipped in greedy calls (exporters/greedy_skip.py)

@@ -136,6 +136,9 @@ def test_adaptive_and_a_quantised_drafter_stay_exact(tiny_folder, tiny_bundle, t
     engine, plain = Engine(tmp_path / "b"), Engine(tiny_bundle("llama", "none"))
     assert engine.manifest["early-exit"]["weights"]["weights"] == "int8"
     assert engine.manifest["early-exit"]["adaptive"]["threshold"] > 0
+    # a skipped call fills the drafter's layers 1..E from the target's caches, not the adapter's
+    section = engine.manifest["early-exit"]
+    assert section["adaptive"]["filled_caches"] == 2 * section["exit_layer"]
     for prompt in PROMPTS:
         want = plain.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids
         assert engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids == want

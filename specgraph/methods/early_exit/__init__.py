@@ -138,6 +138,7 @@ class EarlyExitMethod(DraftMethod):
         drafter = model_drafter(source, loaded, anatomy, cfg, name, default_vocab=DRAFT_VOCAB)
         kept = ("model", "acceptance", "expected_tokens", "train_tokens", "command")
         drafter.trained = {"exit_layer": exit_layer, "of": num_layers, **{k: meta[k] for k in kept if k in meta}}
+        drafter.target_layers = exit_layer  # layers 1..E are the target's: their keys and values are its
         return drafter
 
     def finish(self, staging: Path, cfg: Any, built: Built, measure: Measure) -> Finished:
