@@ -112,7 +112,8 @@ def test_batch_rows_accept_different_counts(bundles):
         assert result.output_ids == engine.generate(row, max_new_tokens=32, stop_at_eos=False).output_ids
 
 
-def test_a_call_that_skips_the_drafter_fills_its_cache_with_the_targets(tiny_folder, tmp_path):
+def test_a_call_that_skips_the_drafter_fills_its_cache_with_the_targets(tiny_folder, tiny_bundle, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
     """`--adaptive` with the target's own copy: a call in which no row drafts skips the drafter
     (the gate's `If`) and writes the target's keys and values of its tokens into the drafter's
     cache instead, so a later probe reads no stale slot. A round must accept all K = 3 drafts to
@@ -146,6 +147,15 @@ def test_a_call_that_skips_the_drafter_fills_its_cache_with_the_targets(tiny_fol
     model = build("llama")
     result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
     assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+    # bench's round line times this engine with its drafter running (the rule would stop a row
+    # on the timing's random tokens, and the gate then skip the drafter), the reference as it is
+    from specgraph import bench
+
+    filled = []
+    monkeypatch.setattr(bench, "time_call", lambda e, *a, fill=None, **k: filled.append((e, fill)) or 1e-3)
+    reference = Engine(tiny_bundle("llama", "none"))
+    bench.round_split(engine, reference, rounds=1)
+    assert filled == [(engine, {"draft_score": 1e9}), (reference, None)]
 
 
 def test_draft_writes_no_cache_slot_past_the_end(bundles):
