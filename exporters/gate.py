@@ -53,12 +53,13 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
     concat = producer[tokens]
     if concat.op_type != "Concat" or id(concat) not in moved_ids:
         raise ValueError(f"{tokens} is not a Concat of the drafter's tokens")
-    declared = {o.name: o for o in graph.output}
+    declared = {v.name: v for v in [*graph.input, *graph.output]}
     then_outputs, else_nodes, else_outputs = [], [], []
-    values = {v.name: v for v in [*graph.input, *graph.output]}
-    fillable = {name: target for name, target in (fill or {}).items() if _same_cache(values, passthrough[name], target)}
+    fillable = {
+        name: target for name, target in (fill or {}).items() if _same_cache(declared, passthrough[name], target)
+    }
     if fillable:
-        else_nodes += _slot_index(values[next(iter(fillable.values()))])
+        else_nodes += _slot_index(declared[next(iter(fillable.values()))])
     rename = {name: f"{name}__then" for name in drafter_outputs}
     for node in moved:  # inside the branch the outputs have names of their own (readers included)
         node.output[:] = [rename.get(o, o) for o in node.output]
@@ -121,8 +122,8 @@ def _slot_index(cache: onnx.ValueInfoProto) -> list[onnx.NodeProto]:
     shape = _dims(cache)  # [B, Hkv, S, D], `_same_cache` checked that all but B are numbers
     heads, dim = int(shape[1]), int(shape[3])
     mk, i64 = helper.make_node, onnx.TensorProto.INT64
-    const = lambda name, values, shape=None: mk("Constant", [], [name], value=helper.make_tensor(  # noqa: E731
-        name, i64, [len(values)] if shape is None else shape, values))  # fmt: skip
+    const = lambda name, values, dims=None: mk("Constant", [], [name], value=helper.make_tensor(  # noqa: E731
+        name, i64, [len(values)] if dims is None else dims, values))  # fmt: skip
     return [
         const("gate_fill_zero", [0], []),
         const("gate_fill_one", [1], []),

@@ -85,9 +85,8 @@ def _generate(engine, ids, arm, rule, args):  # type: ignore[no-untyped-def]
             for name in caches:
                 state[name].update_inplace(saved[name])
         width = int(out["next_tokens"].shape()[1]) if drafts else 1
-        feeds = {i: out[o] for o, i in engine._bindings.items() if o not in engine._in_place}
-        feeds[engine._bindings["next_tokens"]] = np.ascontiguousarray(out["next_tokens"].numpy()[:, :width])
-        feeds = {**feeds, **engine._constants, "n_fixed": np.ones(1, np.int64)}
+        feeds = engine.next_feeds(out)  # a bundle without --adaptive trims nothing: cut next_tokens here
+        feeds["tokens"] = np.ascontiguousarray(out["next_tokens"].numpy()[:, :width])
         call, at = call + 1, done
     return emitted[: args.max_new_tokens], counts
 

@@ -385,13 +385,7 @@ class Engine:
             if int(out["cache_len_out"].numpy().max()) + width > self.max_context:
                 stops = [stop or "max_context" for stop in stops]
                 break
-            # Bind each output onto the input it feeds (manifest "bindings"); caches are in place.
-            feeds = {i: out[o] for o, i in self._bindings.items() if o not in self._in_place}
-            for name, count in self._trims.items():  # e.g. lookup sends only its real drafts
-                keep = 1 + int(out[count].numpy().max())
-                if keep < out[name].shape()[1]:
-                    feeds[self._bindings[name]] = np.ascontiguousarray(out[name].numpy()[:, :keep])
-            out = self.call(io, {**feeds, **self._constants, "n_fixed": ones}, state, state_bound=True)
+            out = self.call(io, self.next_feeds(out, ones), state, state_bound=True)
             before = [len(e) if stop is None else -1 for e, stop in zip(emitted, stops, strict=True)]
             self._emit(out, emitted, stops, max_new_tokens, stop_at_eos, stream)
             for row, n in enumerate(before):
@@ -400,6 +394,20 @@ class Engine:
         decode_s = time.perf_counter() - start
         return [GenerationResult(rows[b], emitted[b], len(counts[b]), prefill_s, decode_s, stops[b] or "max_new_tokens",
                                  None, counts[b], params) for b in range(batch)]  # fmt: skip
+
+    def next_feeds(self, out: dict[str, Any], n_fixed: np.ndarray | None = None) -> dict[str, Any]:
+        """The inputs of the call after the one that returned `out`, as a decode loop makes them:
+        each output bound to the input it feeds (manifest "bindings"; the in-place caches are
+        already there), a trimmed one cut to the columns some row uses (`graph.trims`: e.g. lookup
+        sends only its real drafts), the constants, and `n_fixed` (default 1 a row)."""
+        feeds = {i: out[o] for o, i in self._bindings.items() if o not in self._in_place}
+        for name, count in self._trims.items():
+            keep = 1 + int(out[count].numpy().max())
+            if keep < out[name].shape()[1]:
+                feeds[self._bindings[name]] = np.ascontiguousarray(out[name].numpy()[:, :keep])
+        if n_fixed is None:
+            n_fixed = np.ones(out["n_accepted"].shape()[0], np.int64)
+        return {**feeds, **self._constants, "n_fixed": n_fixed}
 
     def _emit(self, out, emitted, stops, max_new_tokens, stop_at_eos, on_tokens) -> None:  # type: ignore[no-untyped-def]
         """Append each running row's `accepted[:n_accepted]`, cut at EOS or the token budget;

@@ -138,10 +138,7 @@ def test_a_call_that_skips_the_drafter_fills_its_cache_with_the_targets(tiny_fol
             for name in caches:  # the slots this call wrote: the target's, in the drafter's cache
                 mine, target = state[name].numpy(), state[name.replace("draft_", "")].numpy()
                 np.testing.assert_array_equal(mine[:, :, at:done], target[:, :, at:done], err_msg=name)
-        feeds = {i: result[o] for o, i in engine._bindings.items() if o not in engine._in_place}
-        keep = 1 + int(result["n_draft"].numpy().max())
-        feeds[engine._bindings["next_tokens"]] = np.ascontiguousarray(result["next_tokens"].numpy()[:, :keep])
-        feeds = {**feeds, **engine._constants, "n_fixed": np.ones(1, np.int64)}
+        feeds = engine.next_feeds(result)  # next_tokens cut to 1 + max(n_draft), as generate's loop does
         at = done
     assert skipped >= 20  # most calls skipped the drafter
     model = build("llama")
