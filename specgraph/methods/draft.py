@@ -134,6 +134,10 @@ class DrafterOptions(Options):
 @dataclass(frozen=True)
 class DraftOptions(DrafterOptions):
     method: ClassVar[str] = "draft"
+    # K: one draft a round, measured best for the target's own int4 copy on every machine tried
+    # (docs/benchmarks.md: four lost 12-22% on chat and creative text, one kept within 3% of
+    # `none` there); a drafter far cheaper than the target may pay longer rounds: `auto` measures
+    num_draft: int | str = 1
     draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
     draft_vocab: int | None = None  # tokens the draft's readout scores; None or 0: all of them
