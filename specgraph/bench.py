@@ -44,7 +44,7 @@ from specgraph.errors import InputError, ModelLoadError
 from specgraph.peers import Decoder, llama_cpp_decoder
 from specgraph.runtime import Engine, GenerationResult
 from specgraph.sampling import SamplingParams
-from specgraph.timing import interleaved_ms, time_call, verify_cost_curve
+from specgraph.timing import drafting, interleaved_ms, time_call, verify_cost_curve
 
 SHIPPED_SETS = ("chat", "creative", "repeat")
 _DATA = Path(__file__).with_name("data")
@@ -694,22 +694,17 @@ def _compare(
     }
 
 
-DRAFTING = {"draft_score": 1e9}  # state that keeps an adaptive row drafting (methods/draft.py ModelDrafts._adapt)
-
-
 def round_split(engine: Engine, ref: Engine, cache_len: int = 128, rounds: int = 3) -> dict[str, Any]:
     """What one round of a speculative engine costs and how much of it is drafting: a call at its
     full width (the `next_tokens` its prefill returns) against the reference (a `none` bundle)
     verifying as many tokens, both at context `cache_len`, interleaved; medians. An adaptive
-    engine's call is timed with its row's score high (`DRAFTING`), so its drafter runs: on the
-    timing's random tokens the rule would stop the row and the gate skip the drafter."""
+    engine's call is timed with its drafter running (`timing.drafting`)."""
     width = int(engine.call(engine.session.io_binding(), engine.first_feeds(np.zeros((1, 2), np.int64), 2, 0),
                             engine.new_state(1))["next_tokens"].shape()[1])  # fmt: skip
     cache_len = min(cache_len, engine.max_context - width - engine.extra_slots, ref.max_context - width)
-    drafting = {name: value for name, value in DRAFTING.items() if name in engine.manifest["graph"]["state"]}
     mine, verify = [], []
     for _ in range(rounds):
-        mine.append(time_call(engine, width, cache_len, repeats=5, fill=drafting))
+        mine.append(time_call(engine, width, cache_len, repeats=5, fill=drafting(engine)))
         verify.append(time_call(ref, width, cache_len, repeats=5))
     round_s, verify_s = statistics.median(mine), statistics.median(verify)
     return {"draft_depth": engine.draft_depth, "call_tokens": width, "cache_len": cache_len,

@@ -12,6 +12,16 @@ from specgraph.errors import InputError
 from specgraph.runtime import Engine
 from specgraph.sampling import SamplingParams
 
+# state that keeps an adaptive row drafting (methods/draft.py ModelDrafts._adapt): timed with its
+# state at zero, on random tokens, the rule would stop the row and the gate skip the drafter
+DRAFTING = {"draft_score": 1e9}
+
+
+def drafting(engine: Engine) -> dict[str, float]:
+    """`time_call`'s `fill` that times an adaptive engine's call with its drafter running (empty
+    for an engine without the adaptive gate)."""
+    return {name: value for name, value in DRAFTING.items() if name in engine.manifest["graph"]["state"]}
+
 
 def time_call(engine: Engine, n_tokens: int, cache_len: int, repeats: int = 10, params: SamplingParams | None = None,
               batch: int = 1, fill: dict[str, float] | None = None) -> float:  # fmt: skip

@@ -18,7 +18,7 @@ from specgraph.errors import InputError
 from specgraph.runtime import Engine, GenerationResult
 from specgraph.sampling import SamplingParams
 from specgraph.step import MAX_BATCH
-from specgraph.timing import time_call
+from specgraph.timing import drafting, time_call
 
 Tick = Callable[[], None]
 
@@ -138,14 +138,16 @@ def verify_width(engine: Engine, prompt: list[int]) -> int:
 def call_times(engines: dict[str, Engine], widths: dict[str, int], context: int, batches: list[int], repeats: int,
                tick: Tick) -> dict[str, dict[int, float]]:  # fmt: skip
     """Median seconds of one call of each engine at its own width and `context`, for each batch
-    size: the repeats go round every (engine, batch) point in turn."""
+    size: the repeats go round every (engine, batch) point in turn. An adaptive engine's call is
+    timed with its drafter running, the round the width stands for (`timing.drafting`)."""
     points = [(name, b) for name in engines for b in batches]
     times: dict[tuple[str, int], list[float]] = {p: [] for p in points}
     for _ in range(repeats):
         for name, b in points:
             engine = engines[name]
             room = engine.max_context - widths[name] - engine.extra_slots
-            times[(name, b)].append(time_call(engine, widths[name], max(0, min(context, room)), repeats=1, batch=b))
+            at = max(0, min(context, room))
+            times[(name, b)].append(time_call(engine, widths[name], at, repeats=1, batch=b, fill=drafting(engine)))
             tick()
     return {name: {b: statistics.median(times[(name, b)]) for b in batches} for name in engines}
 

@@ -144,15 +144,22 @@ def test_a_call_that_skips_the_drafter_fills_its_cache_with_the_targets(tiny_fol
     model = build("llama")
     result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
     assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
-    # bench's round line times this engine with its drafter running (the rule would stop a row
-    # on the timing's random tokens, and the gate then skip the drafter), the reference as it is
+    # bench's round line and the advisor's batch timings time this engine with its drafter running
+    # (the rule would stop a row on the timing's random tokens, and the gate then skip the
+    # drafter), the reference as it is
     from specgraph import bench
+    from specgraph.advise import measure
 
     filled = []
-    monkeypatch.setattr(bench, "time_call", lambda e, *a, fill=None, **k: filled.append((e, fill)) or 1e-3)
+    record = lambda e, *a, fill=None, **k: filled.append((e, fill)) or 1e-3  # noqa: E731
+    monkeypatch.setattr(bench, "time_call", record)
+    monkeypatch.setattr(measure, "time_call", record)
     reference = Engine(tiny_bundle("llama", "none"))
     bench.round_split(engine, reference, rounds=1)
     assert filled == [(engine, {"draft_score": 1e9}), (reference, None)]
+    filled.clear()
+    measure.call_times({"none": reference, "draft": engine}, {"none": 4, "draft": 4}, 32, [1, 2], 1, lambda: None)
+    assert filled == [(reference, {}), (reference, {}), (engine, {"draft_score": 1e9}), (engine, {"draft_score": 1e9})]
 
 
 def test_draft_writes_no_cache_slot_past_the_end(bundles):
