@@ -73,7 +73,11 @@ class DrafterOptions(Options):
     redeclare `num_draft` with their own default."""
 
     method: ClassVar[str] = ""
-    num_draft: int | str = 4  # K: draft tokens per round, or "auto" (measured at compile time, `auto_draft`)
+    # K: draft tokens per round, or "auto" (measured at compile time, `auto_draft`). One by default:
+    # measured best for draft's int4 copy of the target on every machine tried (docs/benchmarks.md:
+    # four lost 12-22% on chat and creative text, one kept within 3% of `none` there); a drafter
+    # far cheaper than the target may pay longer rounds, which `auto` measures
+    num_draft: int | str = 1
     adaptive: bool | None = False  # draft only while it pays, per row (`ModelDrafts._adapt`); None: `adapts` says
     adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
     auto_prompts: str = AUTO_PROMPTS  # --num-draft auto: the prompt sets its acceptance is measured on
@@ -134,10 +138,6 @@ class DrafterOptions(Options):
 @dataclass(frozen=True)
 class DraftOptions(DrafterOptions):
     method: ClassVar[str] = "draft"
-    # K: one draft a round, measured best for the target's own int4 copy on every machine tried
-    # (docs/benchmarks.md: four lost 12-22% on chat and creative text, one kept within 3% of
-    # `none` there); a drafter far cheaper than the target may pay longer rounds: `auto` measures
-    num_draft: int | str = 1
     draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
     draft_vocab: int | None = None  # tokens the draft's readout scores; None or 0: all of them
