@@ -86,7 +86,10 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
     cond = helper.make_node("Greater", [f"{count}__max", f"{count}__zero"], [f"{count}__any"])
     gate = helper.make_node("If", [f"{count}__any"], list(drafter_outputs), name="draft_gate",
                             then_branch=then_graph, else_branch=else_graph)  # fmt: skip
-    kept = [n for n in graph.node if id(n) not in moved_ids]
+    # what neither side needs goes: the exporter can leave dead nodes (a Gemma-3 early-exit
+    # engine's unused Unsqueeze of a drafter value), and one left outside would read a value that
+    # now exists only inside the branch
+    kept = [n for n in graph.node if id(n) in shared]
     del graph.node[:]
     graph.node.extend([*kept, most, zero, cond, gate])
     onnx.save_model(model, str(path))

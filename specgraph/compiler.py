@@ -248,6 +248,7 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
                             kernels=kernels)  # fmt: skip
     times["weights"] = times.get("weights", 0.0) + time.perf_counter() - t0
     built.meta["kernels"] = weights.get("kernels", "ort")  # native: the bundle loads specgraph's kernel library
+    built.meta["weights"] = weights  # the target's, as the manifest gives them (a method's finish may weigh them)
     tokenizer = _copy_tokenizer(loaded, staging)
     inputs, outputs = engine.io_names()
     body: dict[str, Any] = {

@@ -46,9 +46,9 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_folder):
     from specgraph.compiler import CompileConfig, compile_model
 
     def build(family: str, method: str, out: Path) -> None:
-        # the method's own options: lookup's and draft's chains longer than their defaults, so the
-        # verifier sees several drafts a round
-        own = {"lookup": {"num_draft": 5}, "draft": {"num_draft": 4}}.get(method, {})
+        # the method's own options: lookup's and draft's chains longer than their defaults, and
+        # draft's drafting every round (not adaptive), so the verifier sees several drafts a call
+        own = {"lookup": {"num_draft": 5}, "draft": {"num_draft": 4, "adaptive": False}}.get(method, {})
         compile_model(CompileConfig.of(tiny_folder(family), out, method, max_context=160, emit_logits=True, **own))
 
     return lambda family, method: _built_once(
@@ -63,7 +63,11 @@ def smollm2_bundle(tmp_path_factory: pytest.TempPathFactory):
     from specgraph.compiler import CompileConfig, compile_model
 
     def build(method: str, out: Path) -> None:
-        # medusa: the shipped heads with the default tree; eagle: the shipped drafter
-        compile_model(CompileConfig.of("smollm2-135m", out, method, max_context=512, emit_logits=method == "none"))
+        # medusa: the shipped heads with the default tree; eagle: the shipped drafter, drafting every
+        # round (not adaptive), so that every call verifies a draft
+        own = {"eagle": {"adaptive": False}}.get(method, {})
+        compile_model(
+            CompileConfig.of("smollm2-135m", out, method, max_context=512, emit_logits=method == "none", **own)
+        )
 
     return lambda method: _built_once(tmp_path_factory, f"smollm2_{method}", lambda out: build(method, out))

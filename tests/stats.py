@@ -47,8 +47,8 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
         random_drafter(folder, eagle)  # untrained: its q is far from p
     name = method.split("-")[0]
     own = {"lookup": {"num_draft": 3}, "medusa": {"heads": str(heads), "tree": str(tree)},
-           "draft": {"draft": str(draft), "num_draft": 3},
-           "eagle": {"eagle": str(eagle), "num_draft": 3}}.get(name, {})  # fmt: skip
+           "draft": {"draft": str(draft), "num_draft": 3, "adaptive": False},  # drafting every round
+           "eagle": {"eagle": str(eagle), "num_draft": 3, "adaptive": False}}.get(name, {})  # fmt: skip
     if method == "medusa-chain":  # the chain engine: the heads' argmax drafts (point masses), 3 a round
         own = {"heads": str(heads), "num_draft": 3, "adaptive": False}
     if method.endswith("-adaptive"):  # a threshold that switches drafting on and off within three tokens

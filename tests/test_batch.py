@@ -37,20 +37,20 @@ def bundle(tiny_bundle, tiny_folder, tmp_path_factory):
     uniforms); Medusa gets seeded random heads, as in test_medusa.py, EAGLE an untrained drafter."""
     cache = {}
 
-    def get(method: str):
+    def get(method: str):  # the drafters draft every round (not adaptive): see medusa's below
         if method not in cache:
             if method == "early-exit":  # an untrained adapter: the target's layer 2 without its MLP
                 tmp = tmp_path_factory.mktemp("batch_early_exit")
                 adapter = random_adapter(tiny_folder("llama"), tmp / "adapter.safetensors", std=0.0)
                 cfg = CompileConfig.of(tiny_folder("llama"), tmp / "bundle", method, max_context=160,
-                                       exit_adapter=str(adapter), num_draft=3)  # fmt: skip
+                                       exit_adapter=str(adapter), num_draft=3, adaptive=False)  # fmt: skip
                 compile_model(cfg)
                 cache[method] = cfg.output
             elif method == "eagle":
                 tmp = tmp_path_factory.mktemp("batch_eagle")
                 drafter = random_drafter(tiny_folder("llama"), tmp / "eagle.safetensors")
                 cfg = CompileConfig.of(tiny_folder("llama"), tmp / "bundle", method, max_context=160,
-                                       eagle=str(drafter), num_draft=3)  # fmt: skip
+                                       eagle=str(drafter), num_draft=3, adaptive=False)  # fmt: skip
                 compile_model(cfg)
                 cache[method] = cfg.output
             elif method.startswith("medusa"):  # medusa: the chain engine (the default); medusa-tree: the tree engine

@@ -108,7 +108,7 @@ def test_chain_num_draft_auto_builds_the_k_it_predicts_fastest(tiny_folder, tmp_
     ({"tree": "default", "num_draft": 2}, "--num-draft is for medusa's chain engine"),
     ({"tree": "auto", "adaptive": True}, "--adaptive is for medusa's chain engine"),
     ({"num_draft": 5}, "--num-draft 5 drafts a round, but heads_64_256.safetensors has 4 heads"),
-    ({"num_draft": 2, "draft_confidence": 0.3}, "add --no-adaptive"),
+    ({"num_draft": 2, "draft_confidence": 0.3, "adaptive": True}, "cannot be combined with --adaptive"),
 ])  # fmt: skip
 def test_bad_chain_options(options, message, tiny_folder, tmp_path):
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(".", r"\.")):

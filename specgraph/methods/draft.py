@@ -61,6 +61,11 @@ PROBE_MAX_WAIT = 64  # ... doubled after each probe that does not pay, up to thi
 # ... where the probe's loss (threshold - accepted, in plain steps) is more than this share of the
 # rounds it waited: probes then cost at most about 2% of the time, however dear a round is
 PROBE_BUDGET = 0.02
+# self:int4 / self:int8 whose blocks are at least this share of the bytes a target step streams
+# (a target already stored in blocks): compile says the drafting will seldom pay. At the default
+# model's stored Q4_1 weights the int4 copy is 0.77 of them, and with one draft a round it ran
+# 0.61-0.73x `none` drafting every round (docs/benchmarks.md)
+DEAR_COPY = 0.5
 AUTO_MAX_DRAFT = 4  # --num-draft auto: the longest round it considers (the first build's K)
 AUTO_PROMPTS = "chat"  # --num-draft auto: the prompt sets acceptance is measured on by default
 AUTO_LIMIT, AUTO_TOKENS = 6, 48  # --num-draft auto: prompts per set, and new tokens per prompt
@@ -78,7 +83,12 @@ class DrafterOptions(Options):
     # four lost 12-22% on chat and creative text, one kept within 3% of `none` there); a drafter
     # far cheaper than the target may pay longer rounds, which `auto` measures
     num_draft: int | str = 1
-    adaptive: bool | None = False  # draft only while it pays, per row (`ModelDrafts._adapt`); None: `adapts` says
+    # draft only while it pays, per row (`ModelDrafts._adapt`); None: on, unless `draft_confidence`
+    # chooses the drafts instead (`adapts`). On by default because a drafter that pays on one
+    # machine or weight type loses on another: the shipped EAGLE drafter at the stored weights on a
+    # Zen 4, where a second verified row costs 0.29 of a step, ran 0.88-0.92x `none` on three of
+    # four prompt sets drafting every round and 0.96-0.99x adaptive (docs/benchmarks.md)
+    adaptive: bool | None = None
     adaptive_threshold: float | None = None  # accepted drafts per round it must pay for; None: measured
     auto_prompts: str = AUTO_PROMPTS  # --num-draft auto: the prompt sets its acceptance is measured on
     # send a row's leading drafts while the product of the drafter's probabilities for them stays
@@ -102,10 +112,9 @@ class DrafterOptions(Options):
         if self.draft_confidence is not None:
             if not 0 < self.draft_confidence < 1:
                 raise InputError(f"--draft-confidence must be between 0 and 1 (exclusive), got {self.draft_confidence}")
-            if self.gated:
-                raise InputError("--draft-confidence cannot be combined with --adaptive (on by default for medusa: "
-                                 "add --no-adaptive) or --num-draft auto: choose K and the confidence, or let the "
-                                 "gate decide")  # fmt: skip
+            if self.adaptive or self.num_draft == "auto":
+                raise InputError("--draft-confidence cannot be combined with --adaptive or --num-draft auto: choose "
+                                 "K and the confidence, or let the gate decide")  # fmt: skip
         if self.num_draft == "auto":  # before the first build, not after it
             from specgraph.bench import prompt_file
 
@@ -123,8 +132,9 @@ class DrafterOptions(Options):
 
     @property
     def adapts(self) -> bool:
-        """Whether rows adapt their drafting at run time (`--adaptive`; a method may default it on)."""
-        return bool(self.adaptive)
+        """Whether rows adapt their drafting at run time: `--adaptive`, or by default unless
+        `--draft-confidence` decides how many drafts a row sends."""
+        return self.adaptive is True or (self.adaptive is None and self.draft_confidence is None)
 
     @property
     def gated(self) -> bool:
@@ -411,10 +421,26 @@ class DraftMethod(Method):
         assert isinstance(engine, DraftStepEngine)
         section: dict[str, Any] = {"draft": opts.draft, "num_draft": engine.num_draft, "weights": "float32"}
         bits = SELF.get(opts.draft)
+        summary = f"draft {opts.draft}, {per_round(engine.num_draft)}"
         if bits is not None:
             section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size)
-        summary = f"draft {opts.draft}, {per_round(engine.num_draft)}"
+            copy = section["weights"]
+            share = copy["block_bytes"] / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
+            section["bytes_share"] = round(share, 3)
+            if share >= DEAR_COPY:
+                summary += (f"; the copy reads {share:.2f} of the bytes a step reads, so a draft costs most of a plain "
+                            "step and drafting seldom pays (the copy is for a float32 target: --weights fp32)")  # fmt: skip
         return finish_drafts(staging, engine, section, summary, opts, measure)
+
+
+def step_bytes(weights: dict[str, Any], float32_bytes: int) -> int:
+    """The weight bytes a one-token step of the target streams, from its manifest `weights`
+    section: its stored blocks (less the second copy of the one-digit codes that a speculative
+    engine keeps, since a call reads one of the two), or `float32_bytes`, its matrices in float32
+    (a float32 target's section records no size)."""
+    if not weights.get("block_bytes"):
+        return max(int(float32_bytes), 1)
+    return max(int(weights["block_bytes"]) - int(weights.get("native_one_row_bytes", 0)), 1)
 
 
 def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, default_vocab: int) -> Drafter:
@@ -501,8 +527,10 @@ def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], s
         adaptive = section["adaptive"]
         summary += f", adaptive (drafts while a round accepts {adaptive['threshold']:.2f}+ drafts)"
         if adaptive["prior"] < adaptive["threshold"]:
-            summary += (f"; the drafter accepted {adaptive['prior']:.2f} drafts a round in training, so drafting is "
-                        "not expected to pay here: rows start stopped and probe")  # fmt: skip
+            why = (f"the drafter accepted {adaptive['prior']:.2f} drafts a round in training" if prior is not None
+                   else f"a drafting round costs {1 + adaptive['threshold']:.2f} plain steps and returns at most "
+                   f"{engine.num_draft + 1} tokens")  # fmt: skip
+            summary += f"; {why}, so drafting is not expected to pay here: rows start stopped and probe"
     return Finished(section, draft_depth=engine.num_draft, report={**section, "summary": summary})
 
 
@@ -568,8 +596,8 @@ def add_drafting_flags(group: Any) -> None:
         "--draft-confidence", type=float, metavar="P",
         help="draft, eagle, early-exit, medusa's chain: each row sends only its leading drafts whose joint probability under the "
         "drafter (the product of its probabilities for them) is at least P, so K drafts go to the target where the "
-        "drafter is sure and fewer where it is not; the drafter still runs K steps (default: send all K; not with "
-        "--adaptive or --num-draft auto). Lossless either way",
+        "drafter is sure and fewer where it is not; the drafter still runs K steps. Replaces the adaptive gate, which "
+        "is on by default (not with --adaptive or --num-draft auto). Lossless either way",
     )  # fmt: skip
     draft_vocab.add_flags(group)
 
@@ -577,22 +605,23 @@ def add_drafting_flags(group: Any) -> None:
 def add_adaptive_flag(group: Any) -> None:
     group.add_argument(
         "--adaptive", action=argparse.BooleanOptionalAction, default=None,
-        help="draft, eagle, early-exit (off by default), medusa's chain (on by default): each row drafts only while its recent rounds accept enough "
-        "drafts to pay for drafting (the threshold is measured at compile time); a call in which no row drafts "
-        "skips the drafter and costs a plain step. lookup (on by default): each row sends the number of drafts "
+        help="draft, eagle, early-exit, medusa's chain (on by default unless --draft-confidence is given): each row drafts only while its "
+        "recent rounds accept enough drafts to pay for drafting (the threshold is measured at compile time); a call in "
+        "which no row drafts skips the drafter and costs a plain step; --no-adaptive drafts every round. lookup (on by default): each row sends the number of drafts "
         "(0..K) that its recent acceptance and the engine's verify cost, measured at compile time, say pays best. "
         "Lossless either way",
     )  # fmt: skip
     group.add_argument(
         "--adaptive-threshold", type=float,
-        help="draft, eagle, early-exit, medusa's chain with --adaptive: the accepted drafts per round below which a row stops drafting, "
+        help="draft, eagle, early-exit, medusa's chain, adaptive: the accepted drafts per round below which a row stops drafting, "
         "instead of the one measured at compile time (e.g. when the engine will run on another machine)",
     )  # fmt: skip
 
 
 def check_adaptive(adaptive: bool, threshold: float | None, num_draft: int) -> None:
     if threshold is not None and not adaptive:
-        raise InputError("--adaptive-threshold needs --adaptive")
+        raise InputError("--adaptive-threshold needs the adaptive gate (on by default): drop --no-adaptive "
+                         "and --draft-confidence")  # fmt: skip
     if threshold is not None and not 0 <= threshold <= num_draft:
         raise InputError(f"--adaptive-threshold must be between 0 and --num-draft ({num_draft}), got {threshold}")
 

@@ -10,7 +10,7 @@ import torch
 
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.errors import InputError
-from specgraph.methods.draft import choose_draft_count
+from specgraph.methods.draft import DEAR_COPY, choose_draft_count
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
 from tests.models.tiny import build, save
@@ -25,7 +25,8 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory, tiny_folder):
-    """(draft, weights) -> a compiled draft bundle of the tiny Llama (and its none engine)."""
+    """(draft, weights) -> a compiled draft bundle of the tiny Llama (and its none engine), drafting
+    every round (not adaptive) so that every call verifies K drafts."""
     cache = {}
 
     def get(draft: str, weights: str = "fp32", num_draft: int = 3):
@@ -33,7 +34,7 @@ def bundles(tmp_path_factory, tiny_folder):
         if key not in cache:
             out = tmp_path_factory.mktemp("draft") / "bundle"
             cfg = CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, weights=weights,
-                                   draft=draft, num_draft=num_draft)  # fmt: skip
+                                   draft=draft, num_draft=num_draft, adaptive=False)  # fmt: skip
             compile_model(cfg)
             cache[key] = out
         return cache[key]
@@ -52,6 +53,7 @@ def test_self_draft_equals_hf_greedy(draft, bundles):
     model = build("llama")
     engine = Engine(bundles(draft))
     assert engine.manifest["draft"]["weights"]["weights"] == draft.split(":")[1]
+    assert engine.manifest["draft"]["bytes_share"] < DEAR_COPY  # a float32 target: the copy is far cheaper
     for prompt in PROMPTS:
         result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
         assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
@@ -162,6 +164,18 @@ def test_a_call_that_skips_the_drafter_fills_its_cache_with_the_targets(tiny_fol
     assert filled == [(reference, {}), (reference, {}), (engine, {"draft_score": 1e9}), (engine, {"draft_score": 1e9})]
 
 
+def test_a_copy_as_dear_as_the_target_is_named_at_compile(tiny_folder, tmp_path):
+    """A target already in blocks (here int4) with the int4 copy drafting: a draft run reads
+    about what a plain step reads, so compile says drafting will seldom pay, and the gate (on by
+    default) stops rows whose drafts do not pay; the output is still the target's own."""
+    out = tmp_path / "b"
+    report = compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=96, weights="int4",
+                                            draft="self:int4"))  # fmt: skip
+    section = Engine(out).manifest["draft"]
+    assert section["bytes_share"] >= DEAR_COPY and "adaptive" in section
+    assert "drafting seldom pays" in report.details["summary"] and "--weights fp32" in report.details["summary"]
+
+
 def test_draft_writes_no_cache_slot_past_the_end(bundles):
     """The draft's steps write past the bonus: the host stops before they would leave the cache."""
     engine = Engine(bundles("self:int8"))
@@ -254,7 +268,7 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(tin
 def test_num_draft_auto_measures_then_builds_the_k_it_predicts_fastest(tiny_folder, tmp_path):
     """`--num-draft auto`: the first build (K = 4, gated) generates the calibration prompts and
     times the engine; the bundle is then built again with the K of the best predicted speed-up,
-    and it is still exactly the target."""
+    with the run-time gate (on by default), and it is still exactly the target."""
     prompts = tmp_path / "calibration.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "auto"
@@ -266,7 +280,7 @@ def test_num_draft_auto_measures_then_builds_the_k_it_predicts_fastest(tiny_fold
     auto, k = section["auto"], section["num_draft"]
     assert [row["k"] for row in auto["table"]] == [1, 2, 3, 4]
     assert auto["chosen"] == k == max(auto["table"], key=lambda row: row["speedup"])["k"]
-    assert engine.manifest["draft_depth"] == k and "adaptive" not in section  # the gate was for measuring only
+    assert engine.manifest["draft_depth"] == k and section["adaptive"]["threshold"] >= 0
     assert auto["rounds"] > 0 and all(0 <= a <= 1 for a in auto["acceptance_by_depth"])
     assert "--num-draft auto" in report.details["summary"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["auto", "calibration.jsonl"]  # no staging left behind
@@ -371,7 +385,8 @@ def test_a_row_whose_drafts_pay_on_average_drafts_through_runs_of_rejections():
         ("lookup", {"num_draft": "auto"}, "--num-draft auto is for draft, eagle and early-exit"),
         ("draft", {"num_draft": "many"}, "--num-draft must be a number from 1 to 16 or auto"),
         ("draft", {"num_draft": "auto", "auto_prompts": " , "}, "--auto-prompts needs at least one prompt set"),
-        ("draft", {"num_draft": "auto", "adaptive_threshold": 1.0}, "--adaptive-threshold needs --adaptive"),
+        ("draft", {"num_draft": "auto", "adaptive": False, "adaptive_threshold": 1.0}, "--adaptive-threshold needs"),
+        ("eagle", {"draft_confidence": 0.3, "adaptive_threshold": 1.0}, "--adaptive-threshold needs the adaptive gate"),
         ("draft", {"num_draft": "auto", "auto_prompts": "chat,nowhere.jsonl"}, "no such prompt file: nowhere.jsonl"),
         (
             "eagle",

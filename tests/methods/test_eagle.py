@@ -65,7 +65,7 @@ def bundles(tmp_path_factory, tiny_folder, trained):
         if key not in cache:
             out = tmp_path_factory.mktemp("eagle") / "bundle"
             cfg = CompileConfig.of(tiny_folder("llama"), out, "eagle", max_context=160, weights=weights,
-                                   eagle=str(trained[1]), num_draft=num_draft)  # fmt: skip
+                                   eagle=str(trained[1]), num_draft=num_draft, adaptive=False)  # fmt: skip
             compile_model(cfg)
             cache[key] = out
         return cache[key]
@@ -384,7 +384,7 @@ def test_a_float_drafter_is_exact_and_accepted_as_often(bundles, tiny_folder, tr
     """--eagle-weights fp32 keeps the drafter's matrices float: still exact, and its drafts are
     accepted at least as often as the default int8 drafter's on these prompts."""
     cfg = CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "eagle", max_context=160, eagle=str(trained[1]),
-                           num_draft=3, eagle_weights="fp32")  # fmt: skip
+                           num_draft=3, eagle_weights="fp32", adaptive=False)  # fmt: skip
     compile_model(cfg)
     float_engine, int8_engine = Engine(tmp_path / "b"), Engine(bundles())
     assert float_engine.manifest["eagle"]["weights"] == "float32"

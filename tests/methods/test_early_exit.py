@@ -62,7 +62,7 @@ def trained(tiny_folder, tiny_bundle, tmp_path_factory):
 def bundle(tmp_path_factory, tiny_folder, trained):
     out = tmp_path_factory.mktemp("early_exit") / "bundle"
     cfg = CompileConfig.of(tiny_folder("llama"), out, "early-exit", max_context=160, exit_adapter=str(trained[1]),
-                           num_draft=3)  # fmt: skip
+                           num_draft=3, adaptive=False)  # fmt: skip
     compile_model(cfg)
     return out
 
@@ -304,7 +304,7 @@ def test_bad_options_are_refused(tiny_folder, tmp_path):
     for options, message in (({"exit_weights": "int3"}, "--exit-weights must be one of"),
                              ({"num_draft": 0}, "--num-draft must be between 1 and 16"),
                              ({"draft_vocab": -1}, "--draft-vocab must be 0"),
-                             ({"adaptive_threshold": 1.0}, "--adaptive-threshold needs --adaptive")):  # fmt: skip
+                             ({"adaptive": False, "adaptive_threshold": 1.0}, "--adaptive-threshold needs the adaptive gate")):  # fmt: skip
         with pytest.raises(InputError, match=message):
             CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "early-exit", **options).check()
 

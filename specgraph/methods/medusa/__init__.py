@@ -63,7 +63,6 @@ class MedusaOptions(DrafterOptions):
     tree: str = CHAIN  # "chain", a tree preset name, a Medusa-format JSON file, or "auto"
     acceptance: str = "greedy"  # "greedy" (lossless) or "typical" (Medusa's, LOSSY; trees only)
     num_draft: int | str = 1  # chain: K heads' drafts a round, or "auto"
-    adaptive: bool | None = None  # chain: the run-time gate; None: on (`adapts`)
     draft_vocab: int | None = None  # tokens the heads score; None: DRAFT_VOCAB with a ranking; 0: all
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
 
@@ -73,7 +72,7 @@ class MedusaOptions(DrafterOptions):
 
     @property
     def adapts(self) -> bool:
-        return self.chained and self.adaptive is not False
+        return self.chained and super().adapts
 
     def check(self) -> None:
         if self.acceptance not in ("greedy", "typical"):
