@@ -244,7 +244,7 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(tin
 
     path, ranked = _ranking(tmp_path)
     cfg = CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "draft", max_context=160, draft="self:int8",
-                           num_draft=3, draft_vocab=64, draft_vocab_file=str(path))  # fmt: skip
+                           num_draft=3, draft_vocab=64, draft_vocab_file=str(path), adaptive=False)  # fmt: skip
     compile_model(cfg)
     engine = Engine(tmp_path / "b")
     ids = sorted(int(i) for i in ranked[:64])
