@@ -45,6 +45,7 @@ from specgraph.peers import Decoder, llama_cpp_decoder
 from specgraph.runtime import Engine, GenerationResult
 from specgraph.sampling import SamplingParams
 from specgraph.timing import drafting, interleaved_ms, time_call, verify_cost_curve
+from specgraph.weights import streamed_bytes
 
 SHIPPED_SETS = ("chat", "creative", "repeat")
 _DATA = Path(__file__).with_name("data")
@@ -273,7 +274,7 @@ def _weights(engine: Engine, engine_tps: float, bandwidth_gb_s: float | None) ->
     one-row calls are not counted, a call reads one of the two), and with a measured bandwidth the
     floor and the ratio to it."""
     section: dict[str, Any] = dict(engine.manifest.get("weights") or {})
-    section["bytes_per_token"] = engine.weight_bytes - int(section.get("native_one_row_bytes", 0))
+    section["bytes_per_token"] = streamed_bytes(engine.weight_bytes, section)
     if bandwidth_gb_s is not None:
         floor = bandwidth_gb_s * 1e9 / section["bytes_per_token"]
         section.update(

@@ -35,6 +35,13 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 _ACCURACY = {"fp32": 1, "int8": 4}  # MatMulNBits accuracy_level
 
 
+def streamed_bytes(stored: int, section: dict[str, Any]) -> int:
+    """Of `stored` weight bytes, those one call streams, given the manifest's `weights` section: a
+    speculative engine keeps its one-digit codes twice (pairs for verify calls, lanes for one-token
+    calls, `native_one_row_bytes`), and a call reads one of the two."""
+    return int(stored) - int(section.get("native_one_row_bytes", 0))
+
+
 def check_weights(weights: str, activations: str, block_size: int, kernels: str = "auto") -> None:
     if weights not in WEIGHTS:
         raise InputError(f"unknown --weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")

@@ -49,6 +49,7 @@ from specgraph import draft_vocab, sampling
 from specgraph.errors import InputError
 from specgraph.methods.base import NUM_DRAFT_HELP, Built, Finished, Measure, Method, Options, count_or_auto
 from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
+from specgraph.weights import streamed_bytes
 
 _I64 = torch.int64
 SELF = {"self:int4": 4, "self:int8": 8}  # the target's own weight-quantised copy
@@ -435,12 +436,10 @@ class DraftMethod(Method):
 
 def step_bytes(weights: dict[str, Any], float32_bytes: int) -> int:
     """The weight bytes a one-token step of the target streams, from its manifest `weights`
-    section: its stored blocks (less the second copy of the one-digit codes that a speculative
-    engine keeps, since a call reads one of the two), or `float32_bytes`, its matrices in float32
+    section: what a call reads of its stored blocks, or `float32_bytes`, its matrices in float32
     (a float32 target's section records no size)."""
-    if not weights.get("block_bytes"):
-        return max(int(float32_bytes), 1)
-    return max(int(weights["block_bytes"]) - int(weights.get("native_one_row_bytes", 0)), 1)
+    stored = weights.get("block_bytes")
+    return max(streamed_bytes(stored, weights) if stored else int(float32_bytes), 1)
 
 
 def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, default_vocab: int) -> Drafter:
