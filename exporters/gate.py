@@ -15,7 +15,10 @@ each such drafter cache, the target cache whose layout it shares: the `else` bra
 slots this call's tokens took in the target's cache (its keys and values of the committed tokens,
 from `cache_len` on) into the drafter's, so the drafter reads the target's keys and values for
 the tokens of a round it skipped instead of stale slots (docs/benchmarks.md, the draft-model
-section: without it a self-draft's acceptance after idle rounds fell by up to half).
+section: without it a self-draft's acceptance after idle rounds fell by up to half). ONNX's form
+of the fill takes a GatherElements and a TensorScatter a cache (120 nodes for the default model's
+int4 copy); a bundle that already loads specgraph's kernel library takes one `specgraph.CopySlots`
+node for all of them (host/src/kernels/ort_op.cpp), writing the same slots in place.
 
 It runs after every other rewrite (Gemm, weight blocks, the drafter's quantisation): those see
 the main graph only, and the branch reads their initializers from the outer scope.
@@ -29,6 +32,7 @@ import onnx
 from onnx import helper
 
 from specgraph.exporters.gemm import outer_reads
+from specgraph.exporters.nbits import NATIVE_DOMAIN
 
 
 def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, str], count: str, tokens: str,
@@ -58,8 +62,15 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
     fillable = {
         name: target for name, target in (fill or {}).items() if _same_cache(declared, passthrough[name], target)
     }
-    if fillable:
+    # a bundle that runs specgraph's kernels fills every cache in one `specgraph.CopySlots` node;
+    # ONNX's form takes a GatherElements and a TensorScatter a cache, about 2 us a node here
+    native = any(o.domain == NATIVE_DOMAIN for o in model.opset_import)
+    if fillable and not native:
         else_nodes += _slot_index(declared[next(iter(fillable.values()))])
+    if fillable and native:
+        pairs = [name for pair in fillable.items() for name in (pair[1], passthrough[pair[0]])]
+        outs = [f"{name}__else" for name in fillable]
+        else_nodes.append(helper.make_node("CopySlots", [_CACHE_LEN, _TOKENS, *pairs], outs, domain=NATIVE_DOMAIN))
     rename = {name: f"{name}__then" for name in drafter_outputs}
     for node in moved:  # inside the branch the outputs have names of their own (readers included)
         node.output[:] = [rename.get(o, o) for o in node.output]
@@ -70,6 +81,8 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
         if name == tokens:
             width = len(concat.input)
             else_nodes.append(helper.make_node("Concat", [concat.input[0]] * width, [out], axis=1))
+        elif name in fillable and native:
+            pass  # the CopySlots node above writes it
         elif name in fillable:
             taken = f"{name}__slots"  # the target's keys or values of this call's tokens [B, Hkv, T, D]
             else_nodes.append(helper.make_node("GatherElements", [fillable[name], _SLOTS], [taken], axis=2))
@@ -79,6 +92,8 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
         else_outputs.append(_like(declared[name], out))
     then_graph = helper.make_graph(moved, "drafting", [], then_outputs)
     else_graph = helper.make_graph(else_nodes, "idle", [], else_outputs)
+    kept = [n for n in graph.node if id(n) in shared]
+    _move_own_initializers(graph, then_graph, [*kept, *else_nodes])
     most = helper.make_node("ReduceMax", [count], [f"{count}__max"], keepdims=0)
     zero = helper.make_node(
         "Constant", [], [f"{count}__zero"], value=helper.make_tensor("z", onnx.TensorProto.INT64, [], [0])
@@ -89,7 +104,6 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
     # what neither side needs goes: the exporter can leave dead nodes (a Gemma-3 early-exit
     # engine's unused Unsqueeze of a drafter value), and one left outside would read a value that
     # now exists only inside the branch
-    kept = [n for n in graph.node if id(n) in shared]
     del graph.node[:]
     graph.node.extend([*kept, most, zero, cond, gate])
     onnx.save_model(model, str(path))
@@ -98,6 +112,24 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
 
 _TOKENS, _CACHE_LEN = "tokens", "cache_len"  # the step engine's inputs (specgraph/step.py)
 _SLOTS = "gate_fill_slots"  # [B, Hkv, T, D] int64: cache_len[b] + t, the slots this call wrote
+
+
+def _move_own_initializers(graph: onnx.GraphProto, branch: onnx.GraphProto, others: list[onnx.NodeProto]) -> None:
+    """Make the initializers that only `branch` reads its own. ONNX Runtime hands an `If` every
+    outer value its branches read as a feed on every call, taken branch or not: a self-draft's
+    few hundred weights cost about 5% of an idle step here (docs/benchmarks.md); a branch's own
+    initializers are loaded once with it."""
+    elsewhere = {i for n in others for i in [*n.input, *outer_reads(n)]}
+    elsewhere |= {v.name for v in [*graph.input, *graph.output]}
+    mine = {i for n in branch.node for i in [*n.input, *outer_reads(n)]} - elsewhere
+    own = [t for t in graph.initializer if t.name in mine]
+    if not own:
+        return
+    branch.initializer.extend(own)
+    names = {t.name for t in own}
+    kept = [t for t in graph.initializer if t.name not in names]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
 
 
 def _same_cache(values: dict[str, onnx.ValueInfoProto], drafter: str, target: str) -> bool:

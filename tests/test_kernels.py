@@ -579,6 +579,55 @@ def test_cached_attention_refuses_what_does_not_fit_in_one_line():
         assert "specgraph.CachedAttention: " in str(caught.value)
 
 
+def _copy_slots_session(caches: int) -> ort.InferenceSession:
+    pairs = [name for i in range(caches) for name in (f"source_{i}", f"cache_{i}")]
+    node = helper.make_node("CopySlots", ["cache_len", "tokens", *pairs], [f"out_{i}" for i in range(caches)],
+                            domain=NATIVE_DOMAIN)  # fmt: skip
+    ints = [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in ("cache_len", "tokens")]
+    floats = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in pairs]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output]
+    return _native_session(helper.make_graph([node], "g", ints + floats, outs))
+
+
+def test_copy_slots_writes_each_rows_slots_of_the_source_into_its_cache():
+    """`specgraph.CopySlots`, the fill of a skipped drafter's caches (exporters/gate.py): each
+    cache with the T slots from its row's cache_len taken from its source, every other slot as
+    it was; the same whether ONNX Runtime allocates the outputs or they are bound onto the
+    caches (in place, as the host binds them)."""
+    rng = np.random.default_rng(0)
+    session = _copy_slots_session(3)
+    at, width = np.asarray([0, 5, 9], np.int64), 3
+    feeds = {"cache_len": at, "tokens": np.zeros((3, width), np.int64)}
+    for i in range(3):
+        feeds[f"source_{i}"] = rng.standard_normal((3, 2, 12, 4)).astype(np.float32)
+        feeds[f"cache_{i}"] = rng.standard_normal((3, 2, 12, 4)).astype(np.float32)
+    want = []
+    for i in range(3):
+        cache = feeds[f"cache_{i}"].copy()
+        for b, start in enumerate(at):
+            cache[b, :, start : start + width] = feeds[f"source_{i}"][b, :, start : start + width]
+        want.append(cache)
+    for got, expected in zip(session.run(None, feeds), want, strict=True):
+        assert np.array_equal(got, expected)
+    io = session.io_binding()
+    values = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in feeds.items()}
+    for name, value in values.items():
+        io.bind_ortvalue_input(name, value)
+    for i in range(3):
+        io.bind_ortvalue_output(f"out_{i}", values[f"cache_{i}"])
+    session.run_with_iobinding(io)
+    for i, expected in enumerate(want):
+        assert np.array_equal(values[f"cache_{i}"].numpy(), expected)
+    for change, message in [
+        ({"cache_len": np.asarray([0, 5, 10], np.int64)}, "do not fit the cache"),
+        ({"cache_1": np.zeros((3, 2, 11, 4), np.float32)}, "alike"),
+        ({"tokens": np.zeros((2, width), np.int64)}, "cache_len is not"),
+    ]:
+        with pytest.raises(Exception, match=message) as caught:
+            session.run(None, feeds | change)
+        assert "specgraph.CopySlots: " in str(caught.value)
+
+
 def test_a_native_batched_verify_equals_each_row_verified_alone(tmp_path):
     """The batched verify GroupQueryAttention refuses runs through CachedAttention in one node:
     the same logits as each row verified alone (native kernels, a Q4_1 GGUF)."""

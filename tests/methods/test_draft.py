@@ -114,20 +114,32 @@ def test_batch_rows_accept_different_counts(bundles):
         assert result.output_ids == engine.generate(row, max_new_tokens=32, stop_at_eos=False).output_ids
 
 
+@pytest.mark.parametrize("kernels", ["auto", "ort"])
 def test_a_call_that_skips_the_drafter_fills_its_cache_with_the_targets(tiny_folder, tiny_bundle, tmp_path,
-                                                                        monkeypatch):  # fmt: skip
+                                                                        monkeypatch, kernels):  # fmt: skip
     """`--adaptive` with the target's own copy: a call in which no row drafts skips the drafter
     (the gate's `If`) and writes the target's keys and values of its tokens into the drafter's
-    cache instead, so a later probe reads no stale slot. A round must accept all K = 3 drafts to
-    pay here (threshold 3), so the row soon stops and probes. The output stays the target's."""
+    cache instead, so a later probe reads no stale slot: one `specgraph.CopySlots` node with the
+    kernel library (auto, where it is built), two ONNX nodes a cache without it. A round must
+    accept all K = 3 drafts to pay here (threshold 3), so the row soon stops and probes. The
+    output stays the target's."""
     import numpy as np
+    import onnx
+
+    from specgraph.kernels import library_path
 
     out = tmp_path / "adaptive"
     compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, draft="self:int4",
-                                   num_draft=3, adaptive=True, adaptive_threshold=3.0))  # fmt: skip
+                                   num_draft=3, adaptive=True, adaptive_threshold=3.0, kernels=kernels))  # fmt: skip
     engine = Engine(out)
     caches = [n for n in engine.manifest["graph"]["state"] if n.startswith("draft_past_")]
     assert engine.manifest["draft"]["adaptive"]["filled_caches"] == len(caches) > 0
+    gate = next(n for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
+                if n.name == "draft_gate")  # fmt: skip
+    idle = [n.op_type for n in next(a.g for a in gate.attribute if a.name == "else_branch").node]
+    native = kernels == "auto" and library_path() is not None
+    assert idle.count("CopySlots") == (1 if native else 0)
+    assert idle.count("TensorScatter") == (0 if native else len(caches))
     prompt = PROMPTS[2]
     state, io = engine.new_state(1), engine.session.io_binding()
     feeds = engine.first_feeds(np.asarray([prompt], np.int64), [len(prompt)], 0)

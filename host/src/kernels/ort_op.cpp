@@ -1,6 +1,8 @@
 // specgraph's ONNX Runtime operator library: `specgraph.BlockMatMul`, the block product of
-// block_matmul.h as one node, and `specgraph.CachedAttention`, attention.h's cached attention. ONNX Runtime loads it with RegisterCustomOpsLibrary (Python:
-// SessionOptions.register_custom_ops_library), which calls RegisterCustomOps below.
+// block_matmul.h as one node, `specgraph.CachedAttention`, attention.h's cached attention, and
+// `specgraph.CopySlots`, a drafter's cache fill. ONNX Runtime loads it with
+// RegisterCustomOpsLibrary (Python: SessionOptions.register_custom_ops_library), which calls
+// RegisterCustomOps below.
 //
 //   BlockMatMul(x [..., K], high uint8 [N, K/block, block/2], d [ceil(N/16), K/block, 16],
 //               m (d's shape, optional), low uint8 [N, K/block, block/2] (optional),
@@ -32,6 +34,12 @@
 // and values written: in place when the host binds them onto past_* (it does), else a copy of the
 // slots before each row's write position (the slots after the call's are then undefined).
 //
+//   CopySlots(cache_len int64 [B], tokens int64 [B, T], source_1, cache_1, ..., source_N, cache_N)
+//     -> cache_1', ..., cache_N'        (each source and its cache float [B, Hkv, S, D] alike)
+// cache_i with the T slots from each row's cache_len copied from source_i: the fill of a skipped
+// drafter's caches from the target's (exporters/gate.py), one node where ONNX takes two a cache;
+// in place when the host binds cache_i' onto cache_i (it does), else a copy of cache_i first.
+//
 // As host/src/ort_api.h does, the C API is declared here from its documented ABI (the table's
 // indices and OrtCustomOp's fields), so no ONNX Runtime header is needed to build it.
 #include <climits>
@@ -57,8 +65,8 @@ using sg::ort::ApiBase;
 using sg::ort::Fn;
 using sg::ort::take;
 
-constexpr int kAny = 0, kFloat = 1, kUint8 = 2, kInt32 = 6, kHalf = 10;  // ONNXTensorElementDataType
-constexpr int kRequired = 0, kOptional = 1;            // OrtCustomOpInputOutputCharacteristic
+constexpr int kAny = 0, kFloat = 1, kUint8 = 2, kInt32 = 6, kInt64 = 7, kHalf = 10;  // ONNXTensorElementDataType
+constexpr int kRequired = 0, kOptional = 1, kVariadic = 2;  // OrtCustomOpInputOutputCharacteristic
 constexpr int kInvalidArgument = 2, kFail = 1;         // OrtErrorCode
 constexpr uint32_t kApiVersion = 17;                   // ONNX Runtime 1.17: the first with slot 274
 
@@ -75,6 +83,8 @@ struct Api {
   OrtStatus* (*GetTensorTypeAndShape)(const OrtValue*, OrtShapeInfo** out);                       // 65
   OrtStatus* (*KernelInfoGetAttribute_float)(const OrtKernelInfo*, const char* name, float* out);  // 85
   OrtStatus* (*KernelInfoGetAttribute_int64)(const OrtKernelInfo*, const char* name, int64_t* out);  // 86
+  OrtStatus* (*KernelContext_GetInputCount)(const OrtKernelContext*, size_t* out);               // 88
+  OrtStatus* (*KernelContext_GetOutputCount)(const OrtKernelContext*, size_t* out);              // 89
   OrtStatus* (*KernelContext_GetInput)(const OrtKernelContext*, size_t i, const OrtValue** out);  // 90
   OrtStatus* (*KernelContext_GetOutput)(OrtKernelContext*, size_t i, const int64_t* dims, size_t n,
                                         OrtValue** out);                                          // 91
@@ -531,6 +541,91 @@ CustomOp make_attention_op() {
 
 const CustomOp g_attention_op = make_attention_op();
 
+// ---- CopySlots ----
+
+OrtStatus* slots_fail(const std::string& message) { return fail(message, "CopySlots"); }
+
+OrtStatus* slots_compute(void*, OrtKernelContext* context) {
+  const OrtValue *at = nullptr, *tokens = nullptr;
+  SG_TRY(g_api.KernelContext_GetInput(context, 0, &at));
+  SG_TRY(g_api.KernelContext_GetInput(context, 1, &tokens));
+  std::vector<int64_t> at_dims, token_dims;
+  SG_TRY(shape_of(at, at_dims));
+  SG_TRY(shape_of(tokens, token_dims));
+  size_t inputs = 0, outputs = 0;
+  SG_TRY(g_api.KernelContext_GetInputCount(context, &inputs));
+  SG_TRY(g_api.KernelContext_GetOutputCount(context, &outputs));
+  if (token_dims.size() != 2 || at_dims != std::vector<int64_t>{token_dims[0]})
+    return slots_fail("cache_len is not [B] or tokens not [B, T]");
+  if (inputs != 2 + 2 * outputs) return slots_fail("it takes a (source, cache) pair of inputs for each output");
+  const int64_t batch = token_dims[0], count = token_dims[1];
+  const int64_t* starts = nullptr;
+  SG_TRY(data_of(at, &starts));
+  for (size_t i = 0; i < outputs; ++i) {
+    const OrtValue *source = nullptr, *cache = nullptr;
+    SG_TRY(g_api.KernelContext_GetInput(context, 2 + 2 * i, &source));
+    SG_TRY(g_api.KernelContext_GetInput(context, 3 + 2 * i, &cache));
+    std::vector<int64_t> dims, cache_dims;
+    SG_TRY(shape_of(source, dims));
+    SG_TRY(shape_of(cache, cache_dims));
+    if (dims.size() != 4 || dims != cache_dims || dims[0] != batch)
+      return slots_fail("a source and its cache are not both [B, Hkv, S, D] alike");
+    OrtValue* out = nullptr;
+    SG_TRY(g_api.KernelContext_GetOutput(context, i, dims.data(), dims.size(), &out));
+    void* raw = nullptr;
+    SG_TRY(g_api.GetTensorMutableData(out, &raw));
+    float* to = static_cast<float*>(raw);
+    const float *from = nullptr, *past = nullptr;
+    SG_TRY(data_of(source, &from));
+    SG_TRY(data_of(cache, &past));
+    const int64_t heads = dims[1], slots = dims[2], d = dims[3];
+    if (to != past) std::memcpy(to, past, static_cast<size_t>(batch * heads * slots * d) * sizeof(float));
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t begin = starts[b];
+      if (begin < 0 || begin + count > slots) return slots_fail("a row's slots do not fit the cache");
+      for (int64_t h = 0; h < heads; ++h) {
+        const size_t offset = static_cast<size_t>(((b * heads + h) * slots + begin) * d);
+        std::memcpy(to + offset, from + offset, static_cast<size_t>(count * d) * sizeof(float));
+      }
+    }
+  }
+  return nullptr;
+}
+
+OrtStatus* slots_create(const CustomOp*, const void*, const OrtKernelInfo*, void** out) {
+  *out = nullptr;  // no attributes, no state
+  return nullptr;
+}
+
+const char* slots_name(const CustomOp*) { return "CopySlots"; }
+int slots_input_type(const CustomOp*, size_t i) { return i < 2 ? kInt64 : kFloat; }
+size_t slots_input_count(const CustomOp*) { return 3; }
+size_t slots_output_count(const CustomOp*) { return 1; }
+int slots_input_kind(const CustomOp*, size_t i) { return i < 2 ? kRequired : kVariadic; }
+int slots_output_kind(const CustomOp*, size_t) { return kVariadic; }
+int slots_homogeneous(const CustomOp*) { return 1; }
+int two(const CustomOp*) { return 2; }
+void slots_destroy(void*) {}
+
+CustomOp make_slots_op() {
+  CustomOp op = make_op();
+  op.GetName = slots_name;
+  op.GetInputType = slots_input_type;
+  op.GetInputTypeCount = slots_input_count;
+  op.GetOutputTypeCount = slots_output_count;
+  op.GetInputCharacteristic = slots_input_kind;
+  op.GetOutputCharacteristic = slots_output_kind;
+  op.GetVariadicInputMinArity = two;
+  op.GetVariadicInputHomogeneity = slots_homogeneous;
+  op.GetVariadicOutputHomogeneity = slots_homogeneous;
+  op.KernelDestroy = slots_destroy;
+  op.CreateKernelV2 = slots_create;
+  op.KernelComputeV2 = slots_compute;
+  return op;
+}
+
+const CustomOp g_slots_op = make_slots_op();
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
@@ -548,6 +643,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   take(t, 65, g_api.GetTensorTypeAndShape);
   take(t, 85, g_api.KernelInfoGetAttribute_float);
   take(t, 86, g_api.KernelInfoGetAttribute_int64);
+  take(t, 88, g_api.KernelContext_GetInputCount);
+  take(t, 89, g_api.KernelContext_GetOutputCount);
   take(t, 90, g_api.KernelContext_GetInput);
   take(t, 91, g_api.KernelContext_GetOutput);
   take(t, 93, g_api.ReleaseStatus);
@@ -555,7 +652,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   take(t, 274, g_api.KernelContext_ParallelFor);
   OrtCustomOpDomain* domain = nullptr;
   SG_TRY(g_api.CreateCustomOpDomain("specgraph", &domain));
-  if (g_api.CustomOpDomain_Add(domain, &g_op) || g_api.CustomOpDomain_Add(domain, &g_attention_op)) {
+  if (g_api.CustomOpDomain_Add(domain, &g_op) || g_api.CustomOpDomain_Add(domain, &g_attention_op) ||
+      g_api.CustomOpDomain_Add(domain, &g_slots_op)) {
     return g_api.CreateStatus(kFail, "cannot add specgraph's operators");
   }
   return g_api.AddCustomOpDomain(options, domain);
