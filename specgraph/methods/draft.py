@@ -290,7 +290,8 @@ class ModelDrafts(StepEngine):
         probe) after `wait` rounds without drafting: PROBE_EVERY, doubled (up to PROBE_MAX_WAIT)
         after each probe whose loss (the threshold, which is a drafting round's extra cost in
         steps, less the drafts it accepted) is more than PROBE_BUDGET of the `wait` rounds before
-        it, and PROBE_EVERY again after one that paid or once the score is back at 0 or above.
+        it, and PROBE_EVERY again after one that paid or once the score is back at 0 or above;
+        never where the threshold is above K, as no round could pay then.
         So text that never pays spends at most about 2% of its rounds on probes: a probe that
         loses 0.38 steps (Medusa's chain at the stored weights) waits 32 rounds, one that loses
         0.7 (EAGLE there) 64; where a probe is cheap (an fp32 target: 0.11-0.16) rows that only
@@ -313,7 +314,11 @@ class ModelDrafts(StepEngine):
         dear = self.draft_threshold - accepted > PROBE_BUDGET * wait.to(score.dtype)
         longer = torch.where(probe & dear, torch.clamp(2 * wait, max=PROBE_MAX_WAIT), wait)
         wait = torch.where((score >= 0) | (probe & paid), torch.full_like(wait, PROBE_EVERY), longer)
-        wants = (score >= 0) | (idle >= wait)  # [B]
+        # a round that would not pay even with every draft accepted (a measured threshold above
+        # K: a dear drafter on a cheap target) is never worth a probe; compared per row, so the
+        # export cannot fold it with the threshold's placeholder value (`finish` sets it later)
+        can_pay = torch.full_like(score, float(self.num_draft)) >= self.draft_threshold  # [B]
+        wants = (score >= 0) | ((idle >= wait) & can_pay)  # [B]
         n_draft = torch.where(wants, self.num_draft, 0).to(_I64)
         return [score, idle, wait, n_draft]
 
@@ -525,7 +530,11 @@ def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], s
         section["adaptive"] = finish_adaptive(staging, engine, placeholder, measure, opts.adaptive_threshold, prior)
         adaptive = section["adaptive"]
         summary += f", adaptive (drafts while a round accepts {adaptive['threshold']:.2f}+ drafts)"
-        if adaptive["prior"] < adaptive["threshold"]:
+        if adaptive["threshold"] > engine.num_draft:
+            summary += (f"; a drafting round costs {1 + adaptive['threshold']:.2f} plain steps and returns at most "
+                        f"{engine.num_draft + 1} tokens, so drafting cannot pay here: rows never draft after the "
+                        "prompt (--method none decodes the same text without the gate's cost)")  # fmt: skip
+        elif adaptive["prior"] < adaptive["threshold"]:
             why = (f"the drafter accepted {adaptive['prior']:.2f} drafts a round in training" if prior is not None
                    else f"a drafting round costs {1 + adaptive['threshold']:.2f} plain steps and returns at most "
                    f"{engine.num_draft + 1} tokens")  # fmt: skip

@@ -367,6 +367,47 @@ def test_probes_wait_twice_as_long_after_each_that_does_not_pay():
     assert gaps[:4] == [1, 1, 1, 1] and set(gaps[4:]) == {PROBE_EVERY + 1}  # (its score stays above 0 4 rounds longer)
 
 
+def test_a_row_never_probes_where_no_round_could_pay():
+    """A measured threshold above K (the default model's int4 copy at its stored weights: a round
+    of 2.16 steps returning at most 2 tokens) means no round pays even with every draft accepted,
+    so a stopped row never probes; at a threshold of exactly K it still does."""
+    from specgraph.methods.draft import PROBE_EVERY
+
+    assert _drafting_calls([], threshold=1.16) == [0]
+    assert _drafting_calls([1] * 10, threshold=1.16) == [0]
+    calls = _drafting_calls([], threshold=1.0)
+    assert calls[:2] == [0, 1] and calls[2] - calls[1] == PROBE_EVERY + 1 and len(calls) > 4
+
+
+def test_a_threshold_above_k_stops_the_engines_probes(tiny_folder, tmp_path):
+    """The engine reads whether a round can pay from its threshold at run time (`finish` writes
+    the measured one after the export, which must not fold the comparison with the placeholder):
+    with a threshold above K no call drafts after the prompt's; at K a stopped row probes."""
+    import numpy as np
+
+    from specgraph.exporters.onnx import set_initializer
+
+    out = tmp_path / "b"
+    compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, draft="self:int4",
+                                   num_draft=1, adaptive=True, adaptive_threshold=1.0))  # fmt: skip
+
+    def drafting_calls() -> list[int]:
+        engine = Engine(out, verify=False)
+        state, io = engine.new_state(1), engine.session.io_binding()
+        feeds = engine.first_feeds(np.asarray([PROMPTS[2]], np.int64), [len(PROMPTS[2])], 0)
+        drafting = []
+        for call in range(30):
+            result = engine.call(io, feeds, state)
+            if int(result["n_draft"].numpy()[0]):
+                drafting.append(call + 1)
+            feeds = engine.next_feeds(result)
+        return drafting
+
+    assert drafting_calls()  # threshold K: probes (and rows that pay) draft
+    set_initializer(out / "model.onnx", "draft_threshold", np.array([1.5], np.float32))
+    assert drafting_calls() == []
+
+
 def test_a_row_starts_stopped_where_the_drafter_is_not_expected_to_pay():
     """`--adaptive` with a drafter whose trained acceptance (the prompt's round, `draft_prior`) is
     below the threshold: the first decode call does not draft; the row's first draft is a probe
