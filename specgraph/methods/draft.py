@@ -296,9 +296,10 @@ class ModelDrafts(StepEngine):
         loses 0.38 steps (Medusa's chain at the stored weights) waits 32 rounds, one that loses
         0.7 (EAGLE there) 64; where a probe is cheap (an fp32 target: 0.11-0.16) rows that only
         dip below 0 come back after 8. The exported engine skips the drafter entirely when no row drafts
-        (exporters/gate.py), so an idle round costs about a plain step (3-6% more inside
-        generation: this rule's and the gate's nodes). Lossless either way: the count only
-        decides how many drafts the next call verifies."""
+        (exporters/gate.py), so an idle round costs about a plain step (within 1% for EAGLE and
+        Medusa's chain at the stored weights, about 6% for a self-draft, whose caches every call
+        binds and fills; docs/benchmarks.md). Lossless either way: the count only decides how
+        many drafts the next call verifies."""
         score, idle, wait = state[-3], state[-2], state[-1]  # [B] float, [B] int64, [B] int64 (0: PROBE_EVERY)
         wait = torch.clamp(wait, min=PROBE_EVERY)
         # this call verified drafts (a prompt counts as a round that accepted `draft_prior` drafts:
