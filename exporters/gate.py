@@ -65,12 +65,12 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
     # a bundle that runs specgraph's kernels fills every cache in one `specgraph.CopySlots` node;
     # ONNX's form takes a GatherElements and a TensorScatter a cache, about 2 us a node here
     native = any(o.domain == NATIVE_DOMAIN for o in model.opset_import)
-    if fillable and not native:
-        else_nodes += _slot_index(declared[next(iter(fillable.values()))])
     if fillable and native:
-        pairs = [name for pair in fillable.items() for name in (pair[1], passthrough[pair[0]])]
+        pairs = [name for drafter, target in fillable.items() for name in (target, passthrough[drafter])]
         outs = [f"{name}__else" for name in fillable]
         else_nodes.append(helper.make_node("CopySlots", [_CACHE_LEN, _TOKENS, *pairs], outs, domain=NATIVE_DOMAIN))
+    elif fillable:
+        else_nodes += _slot_index(declared[next(iter(fillable.values()))])
     rename = {name: f"{name}__then" for name in drafter_outputs}
     for node in moved:  # inside the branch the outputs have names of their own (readers included)
         node.output[:] = [rename.get(o, o) for o in node.output]
@@ -81,12 +81,12 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
         if name == tokens:
             width = len(concat.input)
             else_nodes.append(helper.make_node("Concat", [concat.input[0]] * width, [out], axis=1))
-        elif name in fillable and native:
-            pass  # the CopySlots node above writes it
         elif name in fillable:
-            taken = f"{name}__slots"  # the target's keys or values of this call's tokens [B, Hkv, T, D]
-            else_nodes.append(helper.make_node("GatherElements", [fillable[name], _SLOTS], [taken], axis=2))
-            else_nodes.append(helper.make_node("TensorScatter", [passthrough[name], taken, _CACHE_LEN], [out], axis=2))
+            if not native:  # (natively the CopySlots node above writes it)
+                taken = f"{name}__slots"  # the target's keys or values of this call's tokens [B, Hkv, T, D]
+                else_nodes.append(helper.make_node("GatherElements", [fillable[name], _SLOTS], [taken], axis=2))
+                else_nodes.append(helper.make_node("TensorScatter", [passthrough[name], taken, _CACHE_LEN], [out],
+                                                   axis=2))  # fmt: skip
         else:
             else_nodes.append(helper.make_node("Identity", [passthrough[name]], [out]))
         else_outputs.append(_like(declared[name], out))
@@ -116,9 +116,9 @@ _SLOTS = "gate_fill_slots"  # [B, Hkv, T, D] int64: cache_len[b] + t, the slots 
 
 def _move_own_initializers(graph: onnx.GraphProto, branch: onnx.GraphProto, others: list[onnx.NodeProto]) -> None:
     """Make the initializers that only `branch` reads its own. ONNX Runtime hands an `If` every
-    outer value its branches read as a feed on every call, taken branch or not: a self-draft's
-    few hundred weights cost about 5% of an idle step here (docs/benchmarks.md); a branch's own
-    initializers are loaded once with it."""
+    outer value its branches read as a feed on every call, taken branch or not: EAGLE's weights
+    cost about 4% of an idle step at the stored weights here (docs/benchmarks.md); a branch's
+    own initializers are loaded once with it."""
     elsewhere = {i for n in others for i in [*n.input, *outer_reads(n)]}
     elsewhere |= {v.name for v in [*graph.input, *graph.output]}
     mine = {i for n in branch.node for i in [*n.input, *outer_reads(n)]} - elsewhere
