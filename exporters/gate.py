@@ -74,7 +74,7 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
     rename = {name: f"{name}__then" for name in drafter_outputs}
     for node in moved:  # inside the branch the outputs have names of their own (readers included)
         node.output[:] = [rename.get(o, o) for o in node.output]
-        node.input[:] = [rename.get(i, i) for i in node.input]
+        _rename_reads(node, rename)
     for name in drafter_outputs:
         then_outputs.append(_like(declared[name], rename[name]))
         out = f"{name}__else"
@@ -112,6 +112,20 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
 
 _TOKENS, _CACHE_LEN = "tokens", "cache_len"  # the step engine's inputs (specgraph/step.py)
 _SLOTS = "gate_fill_slots"  # [B, Hkv, T, D] int64: cache_len[b] + t, the slots this call wrote
+
+
+def _rename_reads(node: onnx.NodeProto, rename: dict[str, str]) -> None:
+    """Rename what `node` reads, its subgraphs' reads of the enclosing scope included (a fused
+    attention's `If` reads the cache a drafter's catch-up wrote, which is also an output)."""
+    node.input[:] = [rename.get(i, i) for i in node.input]
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            made = {o for n in sub.node for o in n.output} | {t.name for t in sub.initializer}
+            inner = {k: v for k, v in rename.items() if k not in made}
+            for n in sub.node:
+                _rename_reads(n, inner)
+            for out in sub.output:
+                out.name = inner.get(out.name, out.name)
 
 
 def _move_own_initializers(graph: onnx.GraphProto, branch: onnx.GraphProto, others: list[onnx.NodeProto]) -> None:

@@ -82,7 +82,10 @@ def fuse_cached_attention(path: Path, heads: dict[str, list[tuple[int, int, floa
                                users, free, consts, order)  # fmt: skip
             if runs is None:
                 continue
-            _relayout_keys(graph, f"{prefix}{i}", runs[-1].key_write.output[0])
+            # the cache output: the last run's write, or a drafter's catch-up (its steps write
+            # scratch copies: `ModelDrafts._chain`)
+            present = f"{prefix.replace('past', 'present')}{i}"
+            _relayout_keys(graph, f"{prefix}{i}", runs[-1].key_write.output[0], present)
             plans += [(f"gqa.{prefix}{i}.{r}", layer, spec, prefix in pad) for r, layer in enumerate(runs)]
             counts[prefix] += len(runs)
     if not plans:

@@ -3,6 +3,12 @@
 `kv_write` writes a block of new keys or values into a preallocated cache at each row's
 current length. In ONNX it becomes `TensorScatter` (opset 24), which ONNX Runtime updates in
 place when the host binds the output to the input buffer, so a step never copies the cache.
+
+`draft_stop` marks where a drafter may stop early: the `torch.where`s on its result choose
+between the later draft steps' values and what stopping leaves. Eagerly it is the identity (both
+sides are computed); in ONNX it is a `DraftStop` node that `exporters/draft_stop.py` replaces,
+with those `Where`s, by an `If` whose `then` branch holds the later steps, so they run only
+when the condition holds.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from typing import Any
 
 import onnxscript
 import torch
+from onnx import defs
 
 _OPSET24 = onnxscript.values.Opset("", 24)
 
@@ -85,9 +92,38 @@ def _cache_attention_onnx(q, k_t, v, mask, span, scale: float):  # type: ignore[
     return op.Reshape(op.MatMul(probs, v_w), q_shape)  # [B, H, T, D]
 
 
+@torch.library.custom_op("specgraph::draft_stop", mutates_args=())
+def draft_stop(go: torch.Tensor, step: int) -> torch.Tensor:
+    """`go` (a 0-d bool: the drafter goes on after its draft `step`), marked for the export."""
+    return go.clone()
+
+
+@draft_stop.register_fake
+def _draft_stop_fake(go: torch.Tensor, step: int) -> torch.Tensor:
+    return torch.empty_like(go)
+
+
+STOP_DOMAIN = "specgraph.stop"  # only ever in a staged graph: exporters/draft_stop.py removes it
+_STOP = onnxscript.values.Op(
+    onnxscript.values.Opset(STOP_DOMAIN, 1),
+    "DraftStop",
+    defs.OpSchema(
+        "DraftStop", STOP_DOMAIN, 1,
+        inputs=[defs.OpSchema.FormalParameter("go", "tensor(bool)")],
+        outputs=[defs.OpSchema.FormalParameter("marked", "tensor(bool)")],
+        attributes=[defs.OpSchema.Attribute("step", defs.OpSchema.AttrType.INT, "the draft after which it may stop")],
+    ),
+)  # fmt: skip
+
+
+def _draft_stop_onnx(go, step: int):  # type: ignore[no-untyped-def]
+    return _STOP(go, step=step)
+
+
 ONNX_TRANSLATIONS: dict[Any, Any] = {
     torch.ops.specgraph.kv_write.default: _kv_write_onnx,
     torch.ops.specgraph.cache_attention.default: _cache_attention_onnx,
+    torch.ops.specgraph.draft_stop.default: _draft_stop_onnx,
 }
 
 

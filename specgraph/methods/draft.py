@@ -273,6 +273,41 @@ class ModelDrafts(StepEngine):
             adapt = [self._confident(torch.cat(logps, dim=1))]
         return torch.cat([bonus, *drafts], dim=1), [*kv, *carried, *adapt]
 
+    def _chain(self, first, carry, step, params):  # type: ignore[no-untyped-def]
+        """Drafts d'_1..d'_K: `first` is d'_1's (d, q, logp) ([B, 1], [B, 1, V] or None, [B, 1] or
+        None), and `step(i, d, carry, params)` runs the drafter on d'_i and returns d'_{i+1}'s
+        (d, q, logp) and the new carry, whose first item is the drafter's caches. Returns the
+        drafts, their q and log-probabilities (lists of [B, n] pieces, as `_outputs` takes them)
+        and the caches as `carry` holds them: the catch-up's. What the steps write past the bonus
+        is scratch: no later call reads a slot before its own catch-up or steps write it, so the
+        drafter's state stays bound in place through the catch-up and the steps never pick it.
+        With `confidence`, the steps after draft i are marked (`specgraph::draft_stop`) to run only
+        while some row's joint drafter probability of drafts 1..i is still at least the confidence:
+        `_confident` sends no draft past that point, so where no row is there, what they would
+        compute is never read. The export then skips them (exporters/draft_stop.py: Kangaroo's
+        early exit of the draft loop); stopping leaves padding and drafts of probability 0."""
+        drafts, qs, logps = self._steps(1, first, carry, step, params, None)
+        return drafts, qs, logps, carry[0]
+
+    def _steps(self, i, drafted, carry, step, params, reach):  # type: ignore[no-untyped-def]
+        """`_chain`'s drafts i..K from draft i (`drafted`, `carry` as it left the drafter).
+        reach: [B, 1] the summed log-probabilities of drafts 1..i-1 (None for i = 1)."""
+        d, q, logp = drafted
+        if i == self.num_draft:
+            return [d], [q], [logp]
+        nxt, later = step(i, d, carry, params)
+        reach = logp if reach is None else (None if logp is None else reach + logp)
+        ds, qs, logps = self._steps(i + 1, nxt, later, step, params, reach)
+        if self.confidence is None:
+            return [d, *ds], [q, *qs], [logp, *logps]
+        go = torch.ops.specgraph.draft_stop((reach >= self.get_buffer("draft_log_confidence")).any(), i)
+        # what stopping leaves is shaped from draft i's values, so computing it needs no later step
+        n = self.num_draft - i
+        tail = torch.where(go, torch.cat(ds, dim=1), torch.zeros_like(d).expand(-1, n))  # [B, K - i]
+        lp = torch.where(go, torch.cat(logps, dim=1), torch.full_like(logp, float("-inf")).expand(-1, n))
+        later_q = None if q is None else torch.where(go, torch.cat(qs, dim=1), torch.zeros_like(q).expand(-1, n, -1))
+        return [d, tail], [q, later_q], [logp, lp]
+
     def _confident(self, logps: torch.Tensor) -> torch.Tensor:
         """[B] drafts to send: the leading ones whose joint probability under the drafter,
         exp(cumsum of their log-probabilities [B, K]), is at least the confidence (EAGLE-2 ranks
@@ -370,15 +405,14 @@ class DraftStepEngine(ModelDrafts):
         # catch-up: every committed token and the bonus; the logits at the bonus propose d'_1
         logits, kv = self._run(seq, cache_len[:, None] + idx, cache_len, kv)  # [B, T+1, V]
         last = logits.gather(1, committed[:, None, None].expand(b, 1, logits.shape[-1]))  # [B, 1, V]
-        d, q, logp = self._propose(last, cache_len_out[:, None] + 1, params)
-        drafts, qs, logps = [d], [q], [logp]  # [B, 1], [B, 1, V] and [B, 1] each
-        for i in range(1, self.num_draft):
+        first = self._propose(last, cache_len_out[:, None] + 1, params)
+
+        def step(i, d, carry, params):  # type: ignore[no-untyped-def]
             pos = cache_len_out[:, None] + i  # [B, 1] where d'_i goes
-            logits, kv = self._run(drafts[-1], pos, pos[:, 0], kv)
-            d, q, logp = self._propose(logits, pos + 1, params)
-            drafts.append(d)
-            qs.append(q)
-            logps.append(logp)
+            logits, kv = self._run(d, pos, pos[:, 0], carry[0])
+            return self._propose(logits, pos + 1, params), (kv,)
+
+        drafts, qs, logps, kv = self._chain(first, (kv,), step, params)
         return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs, logps)
 
     def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
@@ -523,8 +557,13 @@ def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], s
         if opts.auto_report["predicted_speedup"] < 1:
             summary += "; drafting does not pay at any K on these prompts here"
     if engine.confidence is not None:
+        from specgraph.exporters.draft_stop import stop_drafting_early
+
         section["confidence"] = engine.confidence
-        summary += f", sending the drafts whose joint drafter probability is {engine.confidence:g}+"
+        # the steps after each draft run only while some row may still send their drafts
+        section["stop_nodes"] = stop_drafting_early(staging / "model.onnx")
+        summary += (f", sending the drafts whose joint drafter probability is {engine.confidence:g}+ and "
+                    "drafting no further once no row's is")  # fmt: skip
     if engine.adaptive:
         placeholder = Finished(section, draft_depth=engine.num_draft)
         prior = trained_accepted(section.get("trained", {}).get("acceptance"), engine.num_draft)
@@ -605,8 +644,8 @@ def add_drafting_flags(group: Any) -> None:
         "--draft-confidence", type=float, metavar="P",
         help="draft, eagle, early-exit, medusa's chain: each row sends only its leading drafts whose joint probability under the "
         "drafter (the product of its probabilities for them) is at least P, so K drafts go to the target where the "
-        "drafter is sure and fewer where it is not; the drafter still runs K steps. Replaces the adaptive gate, which "
-        "is on by default (not with --adaptive or --num-draft auto). Lossless either way",
+        "drafter is sure and fewer where it is not; a call stops drafting (skips the draft steps left: draft, eagle, "
+        "early-exit) once no row's drafts are that sure. Replaces the adaptive gate, which is on by default (not with --adaptive or --num-draft auto). Lossless either way",
     )  # fmt: skip
     draft_vocab.add_flags(group)
 

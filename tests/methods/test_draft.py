@@ -4,6 +4,8 @@ tokens inside the engine call; the output must be exactly the target's."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +188,62 @@ def test_a_copy_as_dear_as_the_target_is_named_at_compile(tiny_folder, tmp_path)
     section = Engine(out).manifest["draft"]
     assert section["bytes_share"] >= DEAR_COPY and "adaptive" in section
     assert "drafting seldom pays" in report.details["summary"] and "--weights fp32" in report.details["summary"]
+
+
+def test_a_call_stops_drafting_once_no_row_is_confident(tiny_folder, tmp_path, other_llama):
+    """`--draft-confidence P`: the draft steps after draft i sit in an `If` (nested, one a step)
+    that runs only while some row's joint drafter probability of drafts 1..i is at least P. The
+    output is the target's whatever P is; ONNX Runtime's profile of a first call shows that with
+    P near 1 none of the later steps' nodes ran, and with P near 0 they all did."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from specgraph.exporters.manifest import MANIFEST, sha256
+    from specgraph.exporters.onnx import set_initializer
+    from specgraph.kernels import register, uses_native
+    from specgraph.ops import STOP_DOMAIN
+
+    out = tmp_path / "confident"
+    compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, draft=str(other_llama),
+                                   num_draft=3, draft_confidence=0.3))  # fmt: skip
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    assert STOP_DOMAIN not in {n.domain for n in model.graph.node} | {o.domain for o in model.opset_import}
+    (first,) = [n for n in model.graph.node if n.name.startswith("draft_stop")]
+    then = {a.name: a.g for a in first.attribute}["then_branch"]
+    (second,) = [n for n in then.node if n.name.startswith("draft_stop")]
+    assert (first.name, second.name) == ("draft_stop_1", "draft_stop_2")
+    assert Engine(out).manifest["draft"]["stop_nodes"][0] > len(then.node) > 20  # the second step's run
+    later = {n.name for n in then.node if n.op_type in ("Gemm", "CachedAttention", "GroupQueryAttention")}
+    target = build("llama")
+    ran = {}
+    for p in (0.3, 1e-12, 0.999999):
+        bundle = out if p == 0.3 else tmp_path / f"p{p}"
+        if p != 0.3:  # the same engine with another confidence (an initializer), manifest resealed
+            shutil.copytree(out, bundle)
+            set_initializer(bundle / "model.onnx", "draft_log_confidence", np.log(np.asarray([p], np.float32)))
+            manifest = json.loads((bundle / MANIFEST).read_text())
+            manifest["files"]["model.onnx"] = {"size": (bundle / "model.onnx").stat().st_size,
+                                               "sha256": sha256(bundle / "model.onnx")}  # fmt: skip
+            (bundle / MANIFEST).write_text(json.dumps(manifest))
+        engine = Engine(bundle)
+        for prompt in PROMPTS:
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+            assert_same_greedy(target, prompt, result.output_ids, hf_greedy(target, prompt, NEW_TOKENS))
+        options = ort.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = str(tmp_path / f"profile-{p}")
+        if uses_native(engine.manifest):
+            register(options, engine.bundle)
+        engine.session = ort.InferenceSession(str(bundle / "model.onnx"), options)
+        feeds = engine.first_feeds(np.asarray([PROMPTS[1]], np.int64), len(PROMPTS[1]), 0)
+        first_call = engine.call(engine.session.io_binding(), feeds, engine.new_state(1))
+        events = json.loads(Path(engine.session.end_profiling()).read_text())
+        ran[p] = {e["name"].removesuffix("_kernel_time") for e in events if e.get("cat") == "Node"} & later
+        if p == 0.999999:  # stopping leaves padding after the first draft, and sends no draft
+            assert first_call["next_tokens"].numpy()[0, 2:].tolist() == [0, 0]
+            assert first_call["n_draft"].numpy().tolist() == [0]
+    assert ran[1e-12] == later and not ran[0.999999], ran
 
 
 def test_draft_writes_no_cache_slot_past_the_end(bundles):

@@ -98,15 +98,14 @@ class EagleStepEngine(ModelDrafts):
         kv = list(state[:2])
         pred, kv = self._run(after, feature, cache_len[:, None] + idx, cache_len, kv)  # [B, T, H]
         last = pred.gather(1, (committed - 1)[:, None, None].expand(b, 1, h))  # [B, 1, H] the feature after the bonus
-        d, q, logp = self._propose(self._readout(last), cache_len_out[:, None] + 1, params)
-        drafts, qs, logps = [d], [q], [logp]
-        for i in range(1, self.num_draft):
+        first = self._propose(self._readout(last), cache_len_out[:, None] + 1, params)
+
+        def step(i, d, carry, params):  # type: ignore[no-untyped-def]
             pos = cache_len_out[:, None] + (i - 1)  # [B, 1] the entry (predicted feature, d'_i)
-            last, kv = self._run(drafts[-1], last, pos, pos[:, 0], kv)
-            d, q, logp = self._propose(self._readout(last), pos + 2, params)
-            drafts.append(d)
-            qs.append(q)
-            logps.append(logp)
+            feature, kv = self._run(d, carry[1], pos, pos[:, 0], carry[0])
+            return self._propose(self._readout(feature), pos + 2, params), (kv, feature)
+
+        drafts, qs, logps, kv = self._chain(first, (kv, last), step, params)
         return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs, logps)
 
     def _readout(self, feature: torch.Tensor) -> torch.Tensor:

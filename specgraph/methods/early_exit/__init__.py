@@ -18,8 +18,8 @@ Not built (say so before measuring it against LayerSkip):
   cache for its E + 1 layers and the target recomputes layers 1..E for every verified token
   (LayerSkip's cache reuse is not built). The drafter's E layers are also a copy of the target's
   weights in the bundle.
-- `--exit-layer auto` (choosing E from measured cost and acceptance) and Kangaroo's second,
-  confidence-based early stop of the draft loop (`--adaptive` is the per-row, per-round form).
+- `--exit-layer auto` (choosing E from measured cost and acceptance). Kangaroo's second,
+  confidence-based early stop of the draft loop is `--draft-confidence P` (`ModelDrafts._chain`).
 """
 
 from __future__ import annotations
