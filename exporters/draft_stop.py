@@ -21,7 +21,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from specgraph.exporters.gemm import outer_reads
+from specgraph.exporters.gate import upstream
 from specgraph.ops import STOP_DOMAIN
 
 
@@ -58,8 +58,8 @@ def _branch(graph: onnx.GraphProto, mark: onnx.NodeProto) -> int:
     producer = {o: n for n in graph.node for o in n.output}
     # what the graph needs besides the later steps: a pick reads only its condition and its
     # stopping value there
-    rest = _slice(producer, [o.name for o in graph.output], skip_then=pick_ids)
-    later = _slice(producer, [n.input[1] for n in picks], skip_then=set())
+    rest = upstream(producer, [o.name for o in graph.output], reads={id(n): [n.input[0], n.input[2]] for n in picks})
+    later = upstream(producer, [n.input[1] for n in picks])
     moved = [n for n in graph.node if id(n) in later and id(n) not in rest]
     types = {v.name: v for v in [*graph.value_info, *graph.input, *graph.output]}
     step = _step(mark)
@@ -117,21 +117,6 @@ def _own_packed_weights(graph: onnx.GraphProto, branch: onnx.GraphProto, step: i
 
 
 _PACKED = {"MatMulNBits", "Gemm", "MatMul"}  # ONNX Runtime's CPU kernels that pack a constant weight at load
-
-
-def _slice(producer: dict, names: list[str], skip_then: set[int]) -> set[int]:  # type: ignore[type-arg]
-    """ids of the nodes the values `names` depend on (subgraph reads of outer values included);
-    a node in `skip_then` (a pick) is taken to read only its condition and its `else` value."""
-    seen: set[int] = set()
-    stack = [producer[n] for n in names if n in producer]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        reads = [node.input[0], node.input[2]] if id(node) in skip_then else [*node.input, *outer_reads(node)]
-        stack += [producer[name] for name in reads if name in producer]
-    return seen
 
 
 def _typed(types: dict[str, onnx.ValueInfoProto], *names: str) -> onnx.ValueInfoProto:

@@ -50,8 +50,8 @@ def gate_drafter(path: Path, drafter_outputs: list[str], passthrough: dict[str, 
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     others = [o.name for o in graph.output if o.name not in drafter_outputs]
-    shared = _slice(graph, producer, others)
-    mine = _slice(graph, producer, drafter_outputs)
+    shared = upstream(producer, others)
+    mine = upstream(producer, drafter_outputs)
     moved = [n for n in graph.node if id(n) in mine and id(n) not in shared]
     moved_ids = {id(n) for n in moved}
     concat = producer[tokens]
@@ -193,8 +193,11 @@ def _slot_index(cache: onnx.ValueInfoProto) -> list[onnx.NodeProto]:
     ]
 
 
-def _slice(graph: onnx.GraphProto, producer: dict, names: list[str]) -> set[int]:  # type: ignore[type-arg]
-    """ids of the nodes the values `names` depend on (subgraph reads of outer values included)."""
+def upstream(producer: dict, names: list[str], reads: dict[int, list[str]] | None = None) -> set[int]:  # type: ignore[type-arg]
+    """ids of the nodes the values `names` depend on (subgraph reads of outer values included);
+    `reads` maps a node's id to the inputs it is taken to read instead (exporters/draft_stop.py:
+    a `Where` that picks a later step's value counts only its condition and its other value)."""
+    reads = reads or {}
     seen: set[int] = set()
     stack = [producer[n] for n in names if n in producer]
     while stack:
@@ -202,7 +205,7 @@ def _slice(graph: onnx.GraphProto, producer: dict, names: list[str]) -> set[int]
         if id(node) in seen:
             continue
         seen.add(id(node))
-        for name in [*node.input, *outer_reads(node)]:
+        for name in reads.get(id(node), [*node.input, *outer_reads(node)]):
             if name in producer:
                 stack.append(producer[name])
     return seen

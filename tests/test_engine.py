@@ -227,19 +227,9 @@ def test_cli_and_api_refuse_a_prompt_with_the_same_words(tiny_bundle, capsys):
 
 def _with_cost(bundle, out, cost):  # type: ignore[no-untyped-def]
     """A copy of the adaptive lookup `bundle` at `out` whose verify-cost curve is `cost`."""
-    import json
-    import shutil
+    from tests.bundles import with_initializer
 
-    from specgraph.exporters.manifest import MANIFEST, sha256
-    from specgraph.exporters.onnx import set_initializer
-
-    shutil.copytree(bundle, out)
-    graph = out / "model.onnx"
-    set_initializer(graph, "lookup_cost", np.asarray(cost, np.float32))
-    manifest = json.loads((out / MANIFEST).read_text())
-    manifest["files"]["model.onnx"] = {"size": graph.stat().st_size, "sha256": sha256(graph)}
-    (out / MANIFEST).write_text(json.dumps(manifest))
-    return Engine(out)
+    return Engine(with_initializer(bundle, out, "lookup_cost", np.asarray(cost, np.float32)))
 
 
 def test_adaptive_lookup_is_lossless_and_sends_only_drafts_that_pay(tiny_folder, tiny_bundle, tmp_path):

@@ -4,7 +4,6 @@ tokens inside the engine call; the output must be exactly the target's."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -199,10 +198,9 @@ def test_a_call_stops_drafting_once_no_row_is_confident(tiny_folder, tmp_path, o
     import onnx
     import onnxruntime as ort
 
-    from specgraph.exporters.manifest import MANIFEST, sha256
-    from specgraph.exporters.onnx import set_initializer
     from specgraph.kernels import register, uses_native
     from specgraph.ops import STOP_DOMAIN
+    from tests.bundles import with_initializer
 
     out = tmp_path / "confident"
     compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, draft=str(other_llama),
@@ -219,13 +217,8 @@ def test_a_call_stops_drafting_once_no_row_is_confident(tiny_folder, tmp_path, o
     ran = {}
     for p in (0.3, 1e-12, 0.999999):
         bundle = out if p == 0.3 else tmp_path / f"p{p}"
-        if p != 0.3:  # the same engine with another confidence (an initializer), manifest resealed
-            shutil.copytree(out, bundle)
-            set_initializer(bundle / "model.onnx", "draft_log_confidence", np.log(np.asarray([p], np.float32)))
-            manifest = json.loads((bundle / MANIFEST).read_text())
-            manifest["files"]["model.onnx"] = {"size": (bundle / "model.onnx").stat().st_size,
-                                               "sha256": sha256(bundle / "model.onnx")}  # fmt: skip
-            (bundle / MANIFEST).write_text(json.dumps(manifest))
+        if p != 0.3:  # the same engine with another confidence (an initializer)
+            with_initializer(out, bundle, "draft_log_confidence", np.log(np.asarray([p], np.float32)))
         engine = Engine(bundle)
         for prompt in PROMPTS:
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)

@@ -4,7 +4,6 @@ tokens inside the engine call; the output must be exactly the target's."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -246,8 +245,7 @@ def test_confident_drafts_only_are_sent_and_the_output_is_unchanged(tiny_folder,
     output whatever P is; P near 0 sends all K, P near 1 none (every round one token)."""
     import numpy as np
 
-    from specgraph.exporters.manifest import MANIFEST, sha256
-    from specgraph.exporters.onnx import set_initializer
+    from tests.bundles import with_initializer
 
     out = tmp_path / "confident"
     compile_model(CompileConfig.of(tiny_folder("llama"), out, "eagle", max_context=160, eagle=str(trained[1]),
@@ -259,13 +257,8 @@ def test_confident_drafts_only_are_sent_and_the_output_is_unchanged(tiny_folder,
     sent, taus = {}, {}
     for p in (0.3, 1e-12, 0.999999):
         bundle = out if p == 0.3 else tmp_path / f"p{p}"
-        if p != 0.3:  # the same engine with another confidence (an initializer), manifest resealed
-            shutil.copytree(out, bundle)
-            set_initializer(bundle / "model.onnx", "draft_log_confidence", np.log(np.asarray([p], np.float32)))
-            manifest = json.loads((bundle / MANIFEST).read_text())
-            manifest["files"]["model.onnx"] = {"size": (bundle / "model.onnx").stat().st_size,
-                                               "sha256": sha256(bundle / "model.onnx")}  # fmt: skip
-            (bundle / MANIFEST).write_text(json.dumps(manifest))
+        if p != 0.3:  # the same engine with another confidence (an initializer)
+            with_initializer(out, bundle, "draft_log_confidence", np.log(np.asarray([p], np.float32)))
         live, counts, steps = Engine(bundle), set(), []
         for prompt in PROMPTS:
             feeds = live.first_feeds(np.asarray([prompt], np.int64), len(prompt), 0)
