@@ -252,6 +252,7 @@ def test_confident_drafts_only_are_sent_and_the_output_is_unchanged(tiny_folder,
                                    num_draft=3, draft_confidence=0.3))  # fmt: skip
     engine = Engine(out)
     assert engine.manifest["eagle"]["confidence"] == 0.3
+    assert len(engine.manifest["eagle"]["stop_nodes"]) == 2  # an `If` after drafts 1 and 2 (exporters/draft_stop.py)
     assert engine.manifest["graph"]["trims"] == {"next_tokens": "n_draft"}
     model = build("llama")
     sent, taus = {}, {}
