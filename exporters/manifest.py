@@ -75,6 +75,13 @@ def write_manifest(bundle: Path, body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def reseal(bundle: Path) -> dict[str, Any]:
+    """Write `bundle`'s manifest again after one of its files was edited in place (a test's or a
+    script's rewrite of the graph): the same body, every file's size and hash as they are now."""
+    body = json.loads((bundle / MANIFEST).read_text())
+    return write_manifest(bundle, {k: v for k, v in body.items() if k not in ("format_version", "files")})
+
+
 def read_manifest(bundle: Path, verify: bool = True) -> dict[str, Any]:
     """Read and check a bundle (see the module docstring); raise BundleError naming the first problem.
 

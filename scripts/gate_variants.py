@@ -1,44 +1,39 @@
-"""Rewrite a gated bundle by hand to price a part of its idle call (docs/benchmarks.md, the
-section on the drafter's weights inside its branch): a copy of BUNDLE in OUT with
+"""Rewrite a bundle by hand to price a part of it (docs/benchmarks.md, the sections on the
+drafter's weights inside the gate's branch and on stopping the draft loop): a copy of BUNDLE in
+OUT with
 
     --inline-else   the gate's `If` replaced by its `else` branch (the drafter never runs: what
                     the idle call costs without the `If` and the outer values it is fed)
     --cut-rule      the adaptive rule's nodes replaced by pass-through state and
                     n_draft = (score >= 0) (what the rule's nodes cost)
+    --confidence P  the `--draft-confidence` threshold set to P (the initializer
+                    draft_log_confidence: the same engine at another P, without compiling again)
 
 then time it against the bundle and `none`, for example
     python scripts/gate_variants.py out/y-eagle-ad out/x-eagle-norule --cut-rule
     FILL=draft_score=-1e9 WIDTHS=1 ROUNDS=40 python scripts/ab_step.py out/y-none out/y-eagle-ad out/x-eagle-norule
-The copy's manifest records the rewritten graph's size and hash; its text is the bundle's only
-with every row's gate shut (--cut-rule's rows never stop), so use it for timing.
+The copy's manifest records the rewritten graph's size and hash; an --inline-else or --cut-rule
+copy's text is the bundle's only with every row's gate shut (--cut-rule's rows never stop), so
+use those for timing.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from specgraph.exporters.gate import upstream
 from specgraph.exporters.gemm import outer_reads
+from specgraph.exporters.manifest import MANIFEST, reseal
+from specgraph.exporters.onnx import set_initializer
 
 RULE_OUTPUTS = ("draft_score_out", "draft_idle_out", "draft_wait_out", "n_draft")
-
-
-def _needs(producer: dict[str, onnx.NodeProto], names: list[str]) -> set[int]:
-    """ids of the nodes `names` depend on (`producer` holds the node objects, so ids stay valid)."""
-    seen: set[int] = set()
-    stack = [producer[n] for n in names if n in producer]
-    while stack:
-        node = stack.pop()
-        if id(node) not in seen:
-            seen.add(id(node))
-            stack += [producer[i] for i in [*node.input, *outer_reads(node)] if i in producer]
-    return seen
 
 
 def inline_else(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
@@ -60,8 +55,8 @@ def cut_rule(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     producer = {o: n for n in nodes for o in n.output}
     gate = next(n for n in nodes if n.name == "draft_gate")
     others = [o.name for o in graph.output if o.name not in RULE_OUTPUTS and o.name not in gate.output]
-    keep = _needs(producer, [*others, *outer_reads(gate)])
-    rule = _needs(producer, list(RULE_OUTPUTS)) - keep
+    keep = upstream(producer, [*others, *outer_reads(gate)])
+    rule = upstream(producer, list(RULE_OUTPUTS)) - keep
     stand_in = [helper.make_node("Identity", [name.removesuffix("_out")], [name]) for name in RULE_OUTPUTS[:3]]
     stand_in += [
         helper.make_node("Constant", [], ["cut_zero"], value=helper.make_tensor("z", TensorProto.FLOAT, [], [0.0])),
@@ -79,25 +74,24 @@ def main() -> None:
     how = parser.add_mutually_exclusive_group(required=True)
     how.add_argument("--inline-else", action="store_true")
     how.add_argument("--cut-rule", action="store_true")
+    how.add_argument("--confidence", type=float, metavar="P")
     args = parser.parse_args()
     if args.out.exists():
         raise SystemExit(f"{args.out} exists: choose a new folder")
     shutil.copytree(args.bundle, args.out)
     graph_path = args.out / "model.onnx"
-    model = onnx.load(str(args.bundle / "model.onnx"), load_external_data=False)
-    nodes = inline_else(model.graph) if args.inline_else else cut_rule(model.graph)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    graph_path.unlink()
-    onnx.save_model(model, str(graph_path))
-    manifest_path = args.out / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest_path.unlink()
-    entry = manifest["files"]["model.onnx"]
-    entry["size"] = graph_path.stat().st_size
-    if "sha256" in entry:
-        entry["sha256"] = hashlib.sha256(graph_path.read_bytes()).hexdigest()
-    manifest_path.write_text(json.dumps(manifest, indent=1))
+    if args.confidence is not None:
+        set_initializer(graph_path, "draft_log_confidence", np.log(np.asarray([args.confidence], np.float32)))
+        manifest = json.loads((args.out / MANIFEST).read_text())
+        manifest[manifest["method"]]["confidence"] = args.confidence  # what the manifest says of P
+        (args.out / MANIFEST).write_text(json.dumps(manifest))
+    else:
+        model = onnx.load(str(args.bundle / "model.onnx"), load_external_data=False)
+        nodes = inline_else(model.graph) if args.inline_else else cut_rule(model.graph)
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        onnx.save_model(model, str(graph_path))
+    reseal(args.out)
 
 
 if __name__ == "__main__":
