@@ -11,6 +11,15 @@ inputs; the lengths that only the `If`'s condition read are dropped with it.
 
 Only `If`s whose fused branch is exactly the two rotations and the attention node (not the
 padded form int8 activations use, which never runs on native kernels) are replaced.
+
+A drafter's later runs then write in place (`_later_runs_in_place`). A cache written by several
+runs (the target's verify and a self-draft's runs after it, or a drafter's catch-up and its
+steps) is a chain: each run reads the previous run's output. Only the first run's output is
+kept (a graph output, bound onto the cache's input); what the later runs write is scratch past
+the slots it holds (`ModelDrafts._chain`). Left as a chain, each later run would copy the
+cache's used slots into a new buffer, every layer of every draft step; instead each later run
+reads the first run's output and writes its keys and values into that buffer itself, with no
+outputs of its own. The runs still happen in order: each one's tokens come from the one before.
 """
 
 from __future__ import annotations
@@ -42,12 +51,49 @@ def run_attention_natively(path: Path) -> int:
         return 0
     del graph.node[:]
     graph.node.extend(nodes)
+    in_place = _later_runs_in_place(graph)
     packed = _read_packed_projections(graph)
     drop_dead(graph)
     if NATIVE_DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
     onnx.save_model(model, str(path))
-    logger.debug("%d attention layers run specgraph.CachedAttention, %d reading a packed projection", count, packed)
+    logger.debug("%d attention layers run specgraph.CachedAttention, %d reading a packed projection, %d writing "
+                 "in place", count, packed, in_place)  # fmt: skip
+    return count
+
+
+def _later_runs_in_place(graph: onnx.GraphProto) -> int:
+    """Let each `CachedAttention` that reads the previous run of its chain, and whose own writes
+    only the next run reads, write into the chain's first output (the module docstring); returns
+    how many runs now do. Nothing but the chain's runs may read the first output (a graph output
+    may: it is bound, and what the later runs write there is scratch)."""
+    ran = [n for n in graph.node if n.op_type == "CachedAttention"]
+    outputs = {n.name: list(n.output) for n in ran}
+    producer = {o: n for n in ran for o in n.output[1:]}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    graph_outputs = {v.name for v in graph.output}
+
+    def only_runs_read(names: list[str]) -> bool:  # (a Shape reads no value)
+        return all(r.op_type == "Shape" or (r.op_type == "CachedAttention" and list(r.input[3:5]) == names)
+                   for o in names for r in readers.get(o, []))  # fmt: skip
+
+    buffer: dict[str, list[str]] = {}  # a run in place -> the first output of its chain
+    count = 0
+    for node in ran:  # in graph order: a run comes after the one it reads
+        before = producer.get(node.input[3])
+        if before is None or outputs[before.name][1:] != list(node.input[3:5]):
+            continue
+        first = buffer.get(before.name, outputs[before.name][1:])
+        mine = outputs[node.name][1:]
+        if not only_runs_read(first) or any(o in graph_outputs for o in mine) or not only_runs_read(mine):
+            continue
+        node.input[3], node.input[4] = first
+        del node.output[1:]
+        buffer[node.name] = first
+        count += 1
     return count
 
 

@@ -106,7 +106,8 @@ def export_onnx(
     if heads and isinstance(engine, StepEngine):  # chains: each run's mask is causal from its write position
         caches = {"past_key_": heads} if engine.sliding_window is None else {}
         draft_heads: list[tuple[int, int, float]] = getattr(engine, "draft_heads", [])  # a DraftStepEngine's
-        if draft_heads and getattr(engine, "draft_window", None) is None:
+        # a drafter that reads the target's caches runs on theirs: its runs follow the verify's
+        if draft_heads and getattr(engine, "draft_window", None) is None and not engine.reads_target_cache:
             caches["draft_past_key_"] = draft_heads
         fuse_cached_attention(path, caches, pad=frozenset({"past_key_"} if pad_steps else ()))
     skip_draws_when_greedy(path)

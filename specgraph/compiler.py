@@ -238,9 +238,9 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
     kernels = resolve_kernels(cfg.kernels)
     pad_steps = fuse and cfg.activations == "int8" and kernels == "ort"
     model_proto = export_onnx(engine, kv_shapes, staging / "model.onnx", heads, pad_steps)
-    fused = _fused_layers(model_proto, "past_key_")
+    fused, draft_runs = _fused_runs(model_proto)
     counts["fuse_cached_attention"] = {"fused_layers": fused, "generic_layers": len(anatomy.sites) - fused,
-                                       "fused_draft_runs": _fused_layers(model_proto, "draft_past_key_")}  # fmt: skip
+                                       "fused_draft_runs": draft_runs}  # fmt: skip
     times["export"] = times.get("export", 0.0) + time.perf_counter() - t0
     t0 = time.perf_counter()
     weights = store_weights(staging / "model.onnx", cfg.model, cfg.weights, cfg.activations, cfg.block_size, say,
@@ -334,14 +334,18 @@ def _graph_section(model_proto: Any, engine: Any, inputs: list[str], outputs: li
         # bind output[:, :1 + max(count)] only: columns past every row's count are padding
         "trims": dict(engine.trims),
         "extra_slots": max(int(engine.extra_slots), int(pad_steps)),  # cache slots a call writes beyond its tokens
-        "fused_attention": _fused_layers(model_proto),  # attention nodes run by GroupQueryAttention (exporters/gqa.py)
+        "fused_attention": sum(_fused_runs(model_proto)),  # attention runs fused into one node (exporters/gqa.py)
     }
 
 
-def _fused_layers(model_proto: Any, cache: str = "") -> int:
-    """How many cached attentions of the caches named `cache`* are fused (`exporters/gqa.py`
-    names each `gqa.<key cache>.<run>`): every run of every layer, for a drafter unrolled K times."""
-    return sum(n.op_type == "If" and n.name.startswith(f"gqa.{cache}") for n in model_proto.graph.node)
+def _fused_runs(model_proto: Any) -> tuple[int, int]:
+    """(the target's layers whose cached attention is fused, the drafter's fused runs) of an
+    exported engine: `exporters/gqa.py` names each `gqa.<key cache>.<run>`; the target's verify is
+    run 0 of `past_key_<i>`, and a drafter's runs are its own caches' (`draft_past_key_<i>`, every
+    run of an unrolled drafter) or the later runs of the target's (a drafter that reads them)."""
+    names = [n.name for n in model_proto.graph.node if n.op_type == "If" and n.name.startswith("gqa.")]
+    target = sum(name.startswith("gqa.past_key_") and name.endswith(".0") for name in names)
+    return target, len(names) - target
 
 
 def _constant(value: np.ndarray) -> dict[str, Any]:

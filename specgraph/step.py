@@ -48,6 +48,9 @@ class StepEngine(torch.nn.Module):
     trims: dict[str, str] = {}  # output -> the count output that says how much of it the next call needs
     extra_slots = 0  # cache slots a call writes beyond its tokens
     uniform_streams = 1  # uniforms per position: one draw (point-mass drafts) or more (see `proposal`)
+    # True: `draft` also takes the target's caches as this call's verify left them (a self-draft
+    # reads and writes them instead of keeping its own: `methods/draft.py`)
+    reads_target_cache = False
 
     def __init__(
         self,
@@ -98,7 +101,8 @@ class StepEngine(torch.nn.Module):
         tokens [B, T] are this call's, cache_len [B] where they started; the committed ones are
         the first cache_len_out - cache_len, and the bonus [B, 1] goes at position cache_len_out.
         params: the four sampling inputs (empty for a greedy-only engine). A method whose pass
-        adds outputs to the target graph gets them after `params`."""
+        adds outputs to the target graph gets them after `params`, and with `reads_target_cache`
+        the target's caches follow."""
         return bonus, []
 
     def proposal(self, state):  # type: ignore[no-untyped-def]
@@ -132,7 +136,8 @@ class StepEngine(torch.nn.Module):
             pred = logits.argmax(dim=-1)  # [B, T]
         accepted, n_accepted, bonus, committed = accept_chain(tokens, pred, n_fixed)
         cache_len_out = cache_len + committed  # [B]
-        next_tokens, extra = self.draft(state, tokens, cache_len, bonus, cache_len_out, params, *added)
+        shared = present if self.reads_target_cache else ()
+        next_tokens, extra = self.draft(state, tokens, cache_len, bonus, cache_len_out, params, *added, *shared)
         outputs = [accepted, n_accepted, next_tokens, cache_len_out, *extra, *present]
         if self.emit_logits:
             outputs.append(logits)

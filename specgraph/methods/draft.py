@@ -13,7 +13,10 @@ One call = one round, all inside one ONNX graph:
      cache for everything committed and gives d'_1 from the bonus;
   3. K - 1 one-token draft steps give d'_2..d'_K.
 The draft's cache (`draft_past_*`) is one more in-place buffer; rollback is not advancing, as for
-the target: everything past the committed tokens is rewritten before it is read.
+the target: everything past the committed tokens is rewritten before it is read. The target's
+own copy (`self:*`) has no cache: it reads the target's, where the verify has just written every
+committed token, so its catch-up is the bonus alone, and its writes (the bonus's slot and the
+steps') lie past the committed tokens, where the next call's verify writes before anything reads.
 
 Greedy (temperature 0, and every call of a bundle compiled without sampling): the drafts are
 the draft's argmax and the verifier keeps those equal to the target's argmax.
@@ -183,9 +186,12 @@ class Drafter:
     vocab: tuple[torch.Tensor, dict[str, Any]] | None = None  # a reduced draft vocabulary: its ids, its report
     trained: dict[str, Any] | None = None  # what a trained drafter's file says of it (early-exit's adapter)
     heads: list[tuple[int, int, float]] = field(default_factory=list)  # (num_heads, kv_heads, scale) a layer
-    # leading layers that are the target's own (self:int4/int8, early exit's first E): in a call
-    # that skips the drafter, the target's keys and values of them fill its cache (exporters/gate.py)
+    # leading layers that are the target's own (early exit's first E): in a call that skips the
+    # drafter, the target's keys and values of them fill its cache (exporters/gate.py)
     target_layers: int = 0
+    # the target's own copy (self:int4/int8): it keeps no cache, it reads the target's keys and
+    # values of the committed tokens and writes its drafts' into the target's slots past them
+    reads_target_cache: bool = False
 
 
 class ModelDrafts(StepEngine):
@@ -332,9 +338,9 @@ class ModelDrafts(StepEngine):
         0.7 (EAGLE there) 64; where a probe is cheap (an fp32 target: 0.11-0.16) rows that only
         dip below 0 come back after 8. The exported engine skips the drafter entirely when no row drafts
         (exporters/gate.py), so an idle round costs about a plain step (within 1% for EAGLE and
-        Medusa's chain at the stored weights, about 6% for a self-draft, whose caches every call
-        binds and fills; docs/benchmarks.md). Lossless either way: the count only decides how
-        many drafts the next call verifies."""
+        Medusa's chain at the stored weights and for a self-draft, which keeps no cache of its
+        own; docs/benchmarks.md). Lossless either way: the count only decides how many drafts the
+        next call verifies."""
         score, idle, wait = state[-3], state[-2], state[-1]  # [B] float, [B] int64, [B] int64 (0: PROBE_EVERY)
         wait = torch.clamp(wait, min=PROBE_EVERY)
         # this call verified drafts (a prompt counts as a round that accepted `draft_prior` drafts:
@@ -389,23 +395,34 @@ class DraftStepEngine(ModelDrafts):
     """The chain engine whose drafter is a model of its own, run K times inside the call."""
 
     def __init__(self, *args: Any, drafter: Drafter, **kwargs: Any) -> None:
-        super().__init__(*args, cache_shapes=drafter.kv_shapes, vocab=drafter.vocab, **kwargs)
+        shared = drafter.reads_target_cache
+        super().__init__(*args, cache_shapes=[] if shared else drafter.kv_shapes, vocab=drafter.vocab, **kwargs)
         self.draft_gm = drafter.gm  # registered as a submodule: its weights are draft_gm.*
         self.draft_window = drafter.window
         self.draft_heads = drafter.heads  # lets the export fuse the draft's cached attention too
         self.target_layers = drafter.target_layers
+        self.reads_target_cache = shared
 
-    def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
-        b, t = tokens.shape
-        committed = cache_len_out - cache_len  # [B] tokens of this call now in the target's cache
-        idx = torch.arange(t + 1, dtype=_I64)[None, :]  # [1, T+1]
-        padded = torch.cat([tokens, bonus], dim=1)  # [B, T+1]
-        seq = torch.where(idx == committed[:, None], bonus, padded)  # committed tokens, then the bonus
-        kv = list(state[: 2 * self.draft_layers])
-        # catch-up: every committed token and the bonus; the logits at the bonus propose d'_1
-        logits, kv = self._run(seq, cache_len[:, None] + idx, cache_len, kv)  # [B, T+1, V]
-        last = logits.gather(1, committed[:, None, None].expand(b, 1, logits.shape[-1]))  # [B, 1, V]
-        first = self._propose(last, cache_len_out[:, None] + 1, params)
+    def draft(self, state, tokens, cache_len, bonus, cache_len_out, params, *target_kv):  # type: ignore[no-untyped-def]
+        """See the module docstring; a drafter that `reads_target_cache` (`target_kv`: the target's
+        caches after this call's verify) has every committed token's keys and values there, so its
+        catch-up is the bonus alone, written at the bonus's slot, where the next call's verify
+        writes before anything reads it (as it does the slots the steps write after it)."""
+        if self.reads_target_cache:
+            at = cache_len_out[:, None]  # [B, 1] the bonus's position
+            logits, kv = self._run(bonus, at, cache_len_out, list(target_kv))  # [B, 1, V]
+            first = self._propose(logits, at + 1, params)
+        else:
+            b, t = tokens.shape
+            committed = cache_len_out - cache_len  # [B] tokens of this call now in the target's cache
+            idx = torch.arange(t + 1, dtype=_I64)[None, :]  # [1, T+1]
+            padded = torch.cat([tokens, bonus], dim=1)  # [B, T+1]
+            seq = torch.where(idx == committed[:, None], bonus, padded)  # committed tokens, then the bonus
+            kv = list(state[: 2 * self.draft_layers])
+            # catch-up: every committed token and the bonus; the logits at the bonus propose d'_1
+            logits, kv = self._run(seq, cache_len[:, None] + idx, cache_len, kv)  # [B, T+1, V]
+            last = logits.gather(1, committed[:, None, None].expand(b, 1, logits.shape[-1]))  # [B, 1, V]
+            first = self._propose(last, cache_len_out[:, None] + 1, params)
 
         def step(i, d, carry, params):  # type: ignore[no-untyped-def]
             pos = cache_len_out[:, None] + i  # [B, 1] where d'_i goes
@@ -413,7 +430,8 @@ class DraftStepEngine(ModelDrafts):
             return self._propose(logits, pos + 1, params), (kv,)
 
         drafts, qs, logps, kv = self._chain(first, (kv,), step, params)
-        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, kv, qs, logps)
+        own = [] if self.reads_target_cache else kv  # the target's caches are its outputs already
+        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, own, qs, logps)
 
     def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
         """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""
@@ -449,8 +467,8 @@ class DraftMethod(Method):
         if source is not loaded:
             check_same_tokenizer(loaded, source)
         drafter = model_drafter(source, loaded, anatomy, cfg, opts.draft, default_vocab=0)
-        if source is loaded:  # the target's own copy: every layer's keys and values stand in for its own
-            drafter.target_layers = drafter.num_layers
+        if source is loaded:  # the target's own copy: the target's keys and values stand in for its own
+            drafter.reads_target_cache = True
         return drafter
 
     def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:

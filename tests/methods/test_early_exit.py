@@ -144,6 +144,53 @@ def test_adaptive_and_a_quantised_drafter_stay_exact(tiny_folder, tiny_bundle, t
         assert engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False).output_ids == want
 
 
+@pytest.mark.parametrize("kernels", ["auto", "ort"])
+def test_a_call_that_skips_the_drafter_fills_its_first_layers_with_the_targets(tiny_folder, tmp_path, kernels):
+    """`--adaptive`: a call in which no row drafts skips the drafter (the gate's `If`) and writes
+    the target's keys and values of its tokens into the caches of the drafter's layers 1..E
+    (the target's own), so a later probe reads no stale slot there: one
+    `specgraph.CopySlots` node with the kernel library (auto, where it is built), two ONNX
+    nodes a cache without it. The adapter's own layer has nothing to fill it from. A round must
+    accept all K = 3 drafts to pay here (threshold 3), so the row soon stops and probes."""
+    import onnx
+
+    from specgraph.kernels import library_path
+
+    adapter = random_adapter(tiny_folder("llama"), tmp_path / "a.safetensors", std=0)
+    out = tmp_path / "adaptive"
+    compile_model(CompileConfig.of(tiny_folder("llama"), out, "early-exit", max_context=160, exit_adapter=str(adapter),
+                                   num_draft=3, adaptive=True, adaptive_threshold=3.0, kernels=kernels))  # fmt: skip
+    engine = Engine(out)
+    filled = ["draft_past_key_0", "draft_past_value_0"]  # layer 1 of the drafter's 2 (the adapter's is layer 2)
+    assert [n for n in engine.manifest["graph"]["state"] if n.startswith("draft_past_")] == [*filled,
+            "draft_past_key_1", "draft_past_value_1"]  # fmt: skip
+    assert engine.manifest["early-exit"]["adaptive"]["filled_caches"] == 2
+    gate = next(n for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
+                if n.name == "draft_gate")  # fmt: skip
+    idle = [n.op_type for n in next(a.g for a in gate.attribute if a.name == "else_branch").node]
+    native = kernels == "auto" and library_path() is not None
+    assert idle.count("CopySlots") == (1 if native else 0)
+    assert idle.count("TensorScatter") == (0 if native else 2)
+    prompt = PROMPTS[2]
+    state, io = engine.new_state(1), engine.session.io_binding()
+    feeds = engine.first_feeds(np.asarray([prompt], np.int64), [len(prompt)], 0)
+    at, skipped = 0, 0
+    for _ in range(40):
+        result = engine.call(io, feeds, state)
+        done = int(result["cache_len_out"].numpy()[0])
+        if int(result["n_draft"].numpy()[0]) == 0:  # no row drafts next: this call skipped the drafter
+            skipped += 1
+            for name in filled:  # the slots this call wrote: the target's, in the drafter's cache
+                mine, target = state[name].numpy(), state[name.replace("draft_", "")].numpy()
+                np.testing.assert_array_equal(mine[:, :, at:done], target[:, :, at:done], err_msg=name)
+        feeds = engine.next_feeds(result)  # next_tokens cut to 1 + max(n_draft), as generate's loop does
+        at = done
+    assert skipped >= 20  # most calls skipped the drafter
+    model = build("llama")
+    result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+    assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+
+
 @pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.7, 4, 0.9)], ids=["T1.0", "T0.7-top4-p0.9"])
 def test_joint_law_of_three_tokens_matches_direct_sampling(setting, tiny_folder, tmp_path_factory):
     """The statistical suite of tests/test_sampling.py at T = 1.0 and T = 0.7: an untrained

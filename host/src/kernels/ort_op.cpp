@@ -33,6 +33,9 @@
 // caches of the two RotaryEmbedding nodes it replaces. present_* are past_* with this call's keys
 // and values written: in place when the host binds them onto past_* (it does), else a copy of the
 // slots before each row's write position (the slots after the call's are then undefined).
+// present_key and present_value may both be left out: the call's keys and values are then written
+// into past_key and past_value themselves, which the graph must allow (exporters/attention.py does
+// it only for a drafter's later runs, whose writes are scratch past what anything else reads).
 //
 //   CopySlots(cache_len int64 [B], tokens int64 [B, T], source_1, cache_1, ..., source_N, cache_N)
 //     -> cache_1', ..., cache_N'        (each source and its cache float [B, Hkv, S, D] alike)
@@ -476,12 +479,14 @@ OrtStatus* attention_compute(void* kernel_ptr, OrtKernelContext* context) {
     write_pos[b] = static_cast<int64_t>(seqlens[b]) + 1 - s.tokens;
     if (write_pos[b] < 0 || write_pos[b] + s.tokens > s.slots) return attention_fail("a row's tokens do not fit the cache");
   }
+  size_t outputs = 0;
+  SG_TRY(g_api.KernelContext_GetOutputCount(context, &outputs));
+  if (outputs != 1 && outputs != 3) return attention_fail("present_key and present_value are both given or both left out");
   OrtValue* outs[3] = {};
   SG_TRY(g_api.KernelContext_GetOutput(context, 0, q_shape.data(), q_shape.size(), &outs[0]));
-  SG_TRY(g_api.KernelContext_GetOutput(context, 1, cache.data(), cache.size(), &outs[1]));
-  SG_TRY(g_api.KernelContext_GetOutput(context, 2, cache.data(), cache.size(), &outs[2]));
-  float* ptr[3] = {};
-  for (int i = 0; i < 3; ++i) {
+  float* ptr[3] = {nullptr, const_cast<float*>(past_k), const_cast<float*>(past_v)};  // left out: write the pasts
+  for (size_t i = 0; i < outputs; ++i) {
+    if (i) SG_TRY(g_api.KernelContext_GetOutput(context, i, cache.data(), cache.size(), &outs[i]));
     void* p = nullptr;
     SG_TRY(g_api.GetTensorMutableData(outs[i], &p));
     ptr[i] = static_cast<float*>(p);
@@ -524,6 +529,7 @@ int attention_input_type(const CustomOp*, size_t i) { return i == 5 ? kInt32 : k
 size_t attention_input_count(const CustomOp*) { return 8; }
 size_t attention_output_count(const CustomOp*) { return 3; }
 int attention_input_kind(const CustomOp*, size_t i) { return i == 1 || i == 2 ? kOptional : kRequired; }
+int attention_output_kind(const CustomOp*, size_t i) { return i ? kOptional : kRequired; }
 void attention_destroy(void* kernel) { delete static_cast<AttentionKernel*>(kernel); }
 
 CustomOp make_attention_op() {
@@ -533,6 +539,7 @@ CustomOp make_attention_op() {
   op.GetInputTypeCount = attention_input_count;
   op.GetOutputTypeCount = attention_output_count;
   op.GetInputCharacteristic = attention_input_kind;
+  op.GetOutputCharacteristic = attention_output_kind;
   op.KernelDestroy = attention_destroy;
   op.CreateKernelV2 = attention_create;
   op.KernelComputeV2 = attention_compute;
