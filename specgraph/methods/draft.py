@@ -539,8 +539,12 @@ def build_draft_engine(gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter
                              cfg.engine_samples, drafter=drafter, num_draft=cfg.opts.draft_count,
                              vocab_size=anatomy.vocab_size, adaptive=cfg.opts.gated,
                              confidence=cfg.opts.draft_confidence)  # fmt: skip
-    # the target's weights follow --weights; the draft's are its own (quantised in `finish`)
-    return Built(engine, {"weights_skip": "draft_gm.", "trained": drafter.trained})
+    # the target's weights follow --weights; a draft model's are its own (quantised in `finish`),
+    # but a drafter with the target's own layers (early exit's 1..E) follows --weights too: the
+    # blocks a GGUF stores match those layers and the readout's rows by value, so the bundle holds
+    # them as blocks (a copy of the target's), never as floats; the adapter's match nothing
+    skip = None if drafter.target_layers else "draft_gm."
+    return Built(engine, {"weights_skip": skip, "trained": drafter.trained})
 
 
 def shipped_file(given: str | None, shipped: dict[str, str], fingerprint: str | None, missing: str) -> str:

@@ -130,6 +130,40 @@ def test_other_families_are_exact(family, exit_layer, layers, tiny_folder, tiny_
         assert engine.generate(prompt, max_new_tokens=32, stop_at_eos=False).output_ids == want
 
 
+def test_at_the_stored_weights_the_drafter_runs_blocks_and_keeps_no_float_copy(tmp_path):
+    """From a GGUF at `--weights source`, the drafter's layers 1..E and its readout are the
+    target's stored blocks (matched by value, as the target's are), never float32 copies of
+    them: the only float matrices the drafter keeps are its adapter's own. The output is the
+    GGUF's `none` engine's, which is HF's on the same file."""
+    import onnx
+
+    from specgraph.default_model import read_gguf
+    from tests.models.tiny_gguf import write_llama_gguf
+    from tests.stored import float_copies
+
+    path = write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0")
+    adapter = random_adapter(path, tmp_path / "a.safetensors", std=0)
+    out, plain = tmp_path / "ee", tmp_path / "none"
+    compile_model(CompileConfig.of(str(path), out, "early-exit", max_context=160, exit_adapter=str(adapter),
+                                   num_draft=3, adaptive=False))  # fmt: skip
+    compile_model(CompileConfig.of(str(path), plain, "none", max_context=160))
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    floats = [t for t in model.graph.initializer if t.name.startswith("draft_gm.") and ".r0." not in t.name
+              and len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT]  # (NAME.r0.*: a block's scales)  # fmt: skip
+    tensors, _meta = load_adapter(adapter)
+    assert sum(int(np.prod(t.dims)) for t in floats) == sum(v.numel() for v in tensors.values() if v.dim() == 2)
+    assert not float_copies(out)
+    engine, reference = Engine(out), Engine(plain)
+    target = reference.manifest["weights"]["formats"]["Q4_1"]  # both layers' matrices
+    # the drafter's copy of layer 1's (of the 2), and its readout's own Q8_0 rows of the table
+    assert engine.manifest["weights"]["formats"] == {"Q4_1": target + target // 2, "Q8_0": 2}
+    hf, _tok = read_gguf(path)
+    for prompt in PROMPTS[:3]:
+        got = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False)
+        assert got.output_ids == reference.generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids
+        assert_same_greedy(hf, prompt, got.output_ids, hf_greedy(hf, prompt, 48))
+
+
 def test_adaptive_and_a_quantised_drafter_stay_exact(tiny_folder, tiny_bundle, trained, tmp_path):
     compile_model(CompileConfig.of(tiny_folder("llama"), tmp_path / "b", "early-exit", max_context=160,
                                    exit_adapter=str(trained[1]), num_draft=3, adaptive=True, exit_weights="int8"))  # fmt: skip

@@ -17,7 +17,8 @@ Not built (say so before measuring it against LayerSkip):
 - Verification does NOT reuse the draft's layer 1..E computation: the drafter keeps its own
   cache for its E + 1 layers and the target recomputes layers 1..E for every verified token
   (LayerSkip's cache reuse is not built). The drafter's E layers are also a copy of the target's
-  weights in the bundle.
+  weights in the bundle (as the target stores them: blocks at a GGUF's stored weights, since
+  `--weights` reaches the drafter, `build_draft_engine`).
 - `--exit-layer auto` (choosing E from measured cost and acceptance). Kangaroo's second,
   confidence-based early stop of the draft loop is `--draft-confidence P` (`ModelDrafts._chain`).
 """
