@@ -659,8 +659,9 @@ def test_a_native_batched_verify_equals_each_row_verified_alone(tmp_path):
 
 
 def test_native_early_exit_runs_its_draft_caches_natively_and_stays_exact(tmp_path):
-    """An early-exit engine's K draft runs each write a cache the next run reads (not bound in place:
-    the copy path): every run is a CachedAttention node, and the text is the none engine's."""
+    """An early-exit engine's K draft runs each write a cache the next run reads (the catch-up's
+    output bound in place, the steps' written into it: exporters/attention.py): every run is a
+    CachedAttention node, and the text is the none engine's."""
     from tests.methods.test_early_exit import random_adapter
 
     gguf = write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0")
