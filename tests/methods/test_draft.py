@@ -124,8 +124,7 @@ def test_a_self_draft_keeps_no_cache_and_a_call_that_skips_it_is_a_plain_step(ti
     runs nothing of the drafter and fills nothing, and a later probe still reads every committed
     slot (the target's). A round must accept all K = 3 drafts to pay here (threshold 3), so the
     row soon stops and probes. The output stays the target's."""
-    import numpy as np
-    import onnx
+    from tests.bundles import calls, idle_ops
 
     out = tmp_path / "adaptive"
     compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, draft="self:int4",
@@ -135,20 +134,14 @@ def test_a_self_draft_keeps_no_cache_and_a_call_that_skips_it_is_a_plain_step(ti
     assert engine.manifest["draft"]["adaptive"]["filled_caches"] == 0
     layers = engine.manifest["passes"]["fuse_cached_attention"]["fused_layers"]
     assert engine.manifest["passes"]["fuse_cached_attention"]["fused_draft_runs"] == 3 * layers > 0
-    gate = next(n for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
-                if n.name == "draft_gate")  # fmt: skip
-    idle = [n.op_type for n in next(a.g for a in gate.attribute if a.name == "else_branch").node]
+    idle = idle_ops(out)
     assert "CopySlots" not in idle and "TensorScatter" not in idle
     prompt = PROMPTS[2]
-    state, io = engine.new_state(1), engine.session.io_binding()
-    feeds = engine.first_feeds(np.asarray([prompt], np.int64), [len(prompt)], 0)
     skipped, probes = 0, 0
-    for _ in range(40):
-        result = engine.call(io, feeds, state)
+    for result, _state in calls(engine, prompt, 40):
         drafts = int(result["n_draft"].numpy()[0])
         probes += drafts > 0 and skipped > 0  # a row that had stopped drafts again
         skipped += drafts == 0  # no row drafts next: the next call skips the drafter
-        feeds = engine.next_feeds(result)  # next_tokens cut to 1 + max(n_draft), as generate's loop does
     assert skipped >= 20 and probes >= 1  # most calls skipped the drafter, and a row drafted again after
     model = build("llama")
     result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
@@ -243,11 +236,11 @@ def test_later_draft_runs_write_their_cache_in_place(draft, options, tiny_folder
     into a buffer of their own (exporters/attention.py), also inside the stop's and the gate's
     `If`s. Every call's next tokens (the drafts) equal those of the same engine built with the
     copying runs (the gate's threshold given: a measured one differs from build to build)."""
-    import numpy as np
     import onnx
 
     from specgraph.exporters import attention
     from specgraph.kernels import library_path
+    from tests.bundles import calls
 
     if library_path() is None:
         pytest.skip("needs the kernel library (sh scripts/install.sh builds it)")
@@ -262,26 +255,18 @@ def test_later_draft_runs_write_their_cache_in_place(draft, options, tiny_folder
         model = onnx.load(str(path / "model.onnx"), load_external_data=False)
         return [len(n.output) for n in walk(model.graph) if n.op_type == "CachedAttention"]
 
-    def calls(out: Path) -> list[list[list[int]]]:
+    def drafts(out: Path) -> list[list[list[int]]]:
         compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, num_draft=3,
                                        draft=str(other_llama) if draft == "other" else draft,
                                        **{"adaptive": False, **options}))  # fmt: skip
-        engine = Engine(out)
-        state, io = engine.new_state(1), engine.session.io_binding()
-        feeds = engine.first_feeds(np.asarray([PROMPTS[1]], np.int64), [len(PROMPTS[1])], 0)
-        seen = []
-        for _ in range(24):
-            result = engine.call(io, feeds, state)
-            seen.append(result["next_tokens"].numpy().tolist())
-            feeds = engine.next_feeds(result)
-        return seen
+        return [result["next_tokens"].numpy().tolist() for result, _state in calls(Engine(out), PROMPTS[1], 24)]
 
-    in_place = calls(tmp_path / "in_place")
+    in_place = drafts(tmp_path / "in_place")
     # a layer of the tiny Llama's 2: a self-draft's catch-up and 2 steps after the verify, another
     # model's 2 steps after its catch-up
     assert runs(tmp_path / "in_place").count(1) == 2 * (2 if draft == "other" else 3)
     monkeypatch.setattr(attention, "_later_runs_in_place", lambda graph: 0)
-    assert calls(tmp_path / "copying") == in_place
+    assert drafts(tmp_path / "copying") == in_place
     assert 1 not in runs(tmp_path / "copying")
 
 

@@ -186,9 +186,8 @@ def test_a_call_that_skips_the_drafter_fills_its_first_layers_with_the_targets(t
     `specgraph.CopySlots` node with the kernel library (auto, where it is built), two ONNX
     nodes a cache without it. The adapter's own layer has nothing to fill it from. A round must
     accept all K = 3 drafts to pay here (threshold 3), so the row soon stops and probes."""
-    import onnx
-
     from specgraph.kernels import library_path
+    from tests.bundles import calls, idle_ops
 
     adapter = random_adapter(tiny_folder("llama"), tmp_path / "a.safetensors", std=0)
     out = tmp_path / "adaptive"
@@ -199,25 +198,19 @@ def test_a_call_that_skips_the_drafter_fills_its_first_layers_with_the_targets(t
     assert [n for n in engine.manifest["graph"]["state"] if n.startswith("draft_past_")] == [*filled,
             "draft_past_key_1", "draft_past_value_1"]  # fmt: skip
     assert engine.manifest["early-exit"]["adaptive"]["filled_caches"] == 2
-    gate = next(n for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
-                if n.name == "draft_gate")  # fmt: skip
-    idle = [n.op_type for n in next(a.g for a in gate.attribute if a.name == "else_branch").node]
+    idle = idle_ops(out)
     native = kernels == "auto" and library_path() is not None
     assert idle.count("CopySlots") == (1 if native else 0)
     assert idle.count("TensorScatter") == (0 if native else 2)
     prompt = PROMPTS[2]
-    state, io = engine.new_state(1), engine.session.io_binding()
-    feeds = engine.first_feeds(np.asarray([prompt], np.int64), [len(prompt)], 0)
     at, skipped = 0, 0
-    for _ in range(40):
-        result = engine.call(io, feeds, state)
+    for result, state in calls(engine, prompt, 40):
         done = int(result["cache_len_out"].numpy()[0])
         if int(result["n_draft"].numpy()[0]) == 0:  # no row drafts next: this call skipped the drafter
             skipped += 1
             for name in filled:  # the slots this call wrote: the target's, in the drafter's cache
                 mine, target = state[name].numpy(), state[name.replace("draft_", "")].numpy()
                 np.testing.assert_array_equal(mine[:, :, at:done], target[:, :, at:done], err_msg=name)
-        feeds = engine.next_feeds(result)  # next_tokens cut to 1 + max(n_draft), as generate's loop does
         at = done
     assert skipped >= 20  # most calls skipped the drafter
     model = build("llama")
