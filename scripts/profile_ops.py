@@ -2,6 +2,10 @@
 every node, so compare shares, not absolute times), and one step's time with 1 and 2 threads.
 
     python scripts/profile_ops.py out/src-none --tokens 1
+    python scripts/profile_ops.py out/draft --tokens 5 --fill draft_score=1e9   # a gated drafter's round
+
+Nodes inside an `If` (a gated drafter, the sampling gates) are profiled with the rest; `--fill`
+sets a state input (every entry) so that a gate opens.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1, help="tokens verified per call")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--nodes", type=int, default=0, help="also list this many of the dearest single nodes")
+    parser.add_argument("--fill", default="", help="NAME=VALUE,...: state inputs set to VALUE (e.g. draft_score=1e9)")
     args = parser.parse_args()
     engine = Engine(args.bundle, threads=2, verify=False)
     options = ort.SessionOptions()
@@ -37,7 +42,8 @@ def main() -> None:
     if uses_native(engine.manifest):
         register(options, engine.bundle)
     engine.session = ort.InferenceSession(str(engine.bundle / "model.onnx"), options)
-    time_call(engine, args.tokens, 128, repeats=args.calls)  # one warm-up call, then the timed ones
+    fill = {k: float(v) for k, v in (item.split("=") for item in args.fill.split(",") if item)} or None
+    time_call(engine, args.tokens, 128, repeats=args.calls, fill=fill)  # one warm-up call, then the timed ones
     events = json.load(open(engine.session.end_profiling()))
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
@@ -57,7 +63,7 @@ def main() -> None:
     times: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(4):  # interleaved
         for t, e in arms.items():
-            times[t].append(time_call(e, args.tokens, 64, 15) * 1000)
+            times[t].append(time_call(e, args.tokens, 64, 15, fill=fill) * 1000)
     print(
         "unprofiled step, ms (median of 4 interleaved rounds):",
         {f"{t} threads": round(statistics.median(v), 2) for t, v in times.items()},

@@ -170,9 +170,9 @@ def store_weights(
     return section
 
 
-def check_blocks_fit(loaded: Any, weights: str, block_size: int) -> None:
+def check_blocks_fit(loaded: Any, weights: str, block_size: int, flag: str = "--block-size") -> None:
     """int8 / int4: every matrix's input dimension must be a whole number of blocks (checked on the
-    loaded model, before the export)."""
+    loaded model, before the export; `flag` is the option the error names)."""
     if weights not in ("int8", "int4"):
         return
     if loaded.hf_model is not None:
@@ -182,6 +182,6 @@ def check_blocks_fit(loaded: Any, weights: str, block_size: int) -> None:
     for name, tensor in tensors.items():
         if tensor.dim() == 2 and tensor.shape[1] % block_size:
             raise InputError(
-                f"--block-size {block_size} does not divide the input dimension {tensor.shape[1]} of {name} "
+                f"{flag} {block_size} does not divide the input dimension {tensor.shape[1]} of {name} "
                 f"(shape {tuple(tensor.shape)}); choose a block size that divides it"
             )

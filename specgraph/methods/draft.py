@@ -52,7 +52,7 @@ from specgraph import draft_vocab, sampling
 from specgraph.errors import InputError
 from specgraph.methods.base import NUM_DRAFT_HELP, Built, Finished, Measure, Method, Options, count_or_auto
 from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
-from specgraph.weights import streamed_bytes
+from specgraph.weights import check_blocks_fit, streamed_bytes
 
 _I64 = torch.int64
 SELF = {"self:int4": 4, "self:int8": 8}  # the target's own weight-quantised copy
@@ -463,6 +463,8 @@ class DraftMethod(Method):
         from specgraph.loaders import load_model
 
         opts: DraftOptions = cfg.opts
+        if opts.draft in SELF:  # every matrix of the copy in blocks, or none: no silent float32 leftovers
+            check_blocks_fit(loaded, f"int{SELF[opts.draft]}", opts.draft_block_size, flag="--draft-block-size")
         source = loaded if opts.draft in SELF else load_model(opts.draft)
         if source is not loaded:
             check_same_tokenizer(loaded, source)
