@@ -75,6 +75,7 @@ def main() -> None:
     how.add_argument("--inline-else", action="store_true")
     how.add_argument("--cut-rule", action="store_true")
     how.add_argument("--confidence", type=float, metavar="P")
+    how.add_argument("--threshold", type=float, metavar="T")
     args = parser.parse_args()
     if args.out.exists():
         raise SystemExit(f"{args.out} exists: choose a new folder")
@@ -84,6 +85,11 @@ def main() -> None:
         set_initializer(graph_path, "draft_log_confidence", np.log(np.asarray([args.confidence], np.float32)))
         manifest = json.loads((args.out / MANIFEST).read_text())
         manifest[manifest["method"]]["confidence"] = args.confidence  # what the manifest says of P
+        (args.out / MANIFEST).write_text(json.dumps(manifest))
+    elif args.threshold is not None:
+        set_initializer(graph_path, "draft_threshold", np.asarray([args.threshold], np.float32))
+        manifest = json.loads((args.out / MANIFEST).read_text())
+        manifest[manifest["method"]]["adaptive"]["threshold"] = args.threshold  # what the manifest says of T
         (args.out / MANIFEST).write_text(json.dumps(manifest))
     else:
         model = onnx.load(str(args.bundle / "model.onnx"), load_external_data=False)

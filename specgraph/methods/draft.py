@@ -73,6 +73,7 @@ DEAR_COPY = 0.5
 AUTO_MAX_DRAFT = 4  # --num-draft auto: the longest round it considers (the first build's K)
 AUTO_PROMPTS = "chat"  # --num-draft auto: the prompt sets acceptance is measured on by default
 AUTO_LIMIT, AUTO_TOKENS = 6, 48  # --num-draft auto: prompts per set, and new tokens per prompt
+GATE_ROUNDS = 7  # interleaved rounds timing a drafting call against an idle one (the gate's threshold, auto)
 
 
 @dataclass(frozen=True)
@@ -747,17 +748,20 @@ def finish_adaptive(staging: Path, engine: ModelDrafts, placeholder: Finished, m
 def _time_gated(live: Any, engine: ModelDrafts, widths: Any) -> tuple[dict[int, float], float]:
     """Median seconds of a gated engine's call verifying each of `widths` tokens with the drafter,
     and of a one-token call without it (every row's score far below the threshold), at context
-    128: 3 interleaved rounds of 5 calls each."""
+    128: GATE_ROUNDS interleaved rounds of 5 calls each. A width's time is the median over rounds
+    of its ratio to the same round's idle call, times the idle call's median: a slow spell of this
+    machine that hits some rounds moves both sides of their ratio, not the threshold."""
     from specgraph.timing import time_call
 
     at = min(128, engine.max_context - engine.num_draft - 2)
     drafting: dict[int, list[float]] = {n: [] for n in widths}
     idle = []
-    for _ in range(3):  # interleaved
+    for _ in range(GATE_ROUNDS):  # interleaved
         for n in drafting:
             drafting[n].append(time_call(live, n, at, repeats=5))
         idle.append(time_call(live, 1, at, repeats=5, fill={"draft_score": -1e9}))
-    return {n: float(np.median(t)) for n, t in drafting.items()}, float(np.median(idle))
+    idle_s = float(np.median(idle))
+    return {n: float(np.median(np.divide(t, idle))) * idle_s for n, t in drafting.items()}, idle_s
 
 
 def _gate(staging: Path, engine: ModelDrafts) -> tuple[int, int]:
