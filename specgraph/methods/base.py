@@ -44,7 +44,7 @@ class Options:
 
 
 NUM_DRAFT_HELP = (
-    "draft tokens per round (lookup: default 7; draft: 1; eagle: 1; early-exit: 3; medusa's chain: 1, at most one a "
+    "draft tokens per round (lookup: default 7; draft: 4; eagle: 1; early-exit: 3; medusa's chain: 1, at most one a "
     "head), or auto (draft, eagle, early-exit, medusa's chain): build with 4, generate --auto-prompts and time the "
     "engine, then build again with the K predicted fastest (about twice the compile time)"
 )  # --num-draft: every method that takes it registers it with this text (the first registration serves all)

@@ -83,10 +83,9 @@ class DrafterOptions(Options):
     redeclare `num_draft` with their own default."""
 
     method: ClassVar[str] = ""
-    # K: draft tokens per round, or "auto" (measured at compile time, `auto_draft`). One by default:
-    # measured best for draft's int4 copy of the target on every machine tried (docs/benchmarks.md:
-    # four lost 12-22% on chat and creative text, one kept within 3% of `none` there); a drafter
-    # far cheaper than the target may pay longer rounds, which `auto` measures
+    # K: draft tokens per round, or "auto" (measured at compile time, `auto_draft`). One by default
+    # for a learned drafter (eagle redeclares it; early-exit 3); `draft` four (DraftOptions); a
+    # drafter far cheaper than the target may pay longer rounds, which `auto` measures
     num_draft: int | str = 1
     # draft only while it pays, per row (`ModelDrafts._adapt`); None: on, unless `draft_confidence`
     # chooses the drafts instead (`adapts`). On by default because a drafter that pays on one
@@ -153,6 +152,12 @@ class DrafterOptions(Options):
 @dataclass(frozen=True)
 class DraftOptions(DrafterOptions):
     method: ClassVar[str] = "draft"
+    # four drafts a round with the adaptive gate: since the target's own copy reads the target's
+    # cache (a one-token run a draft), four beat one on code, chat, creative and repeat prompts in
+    # every run at fp32, 1.21-1.62x against 1.11-1.34x, and `auto` measures four best there
+    # (docs/benchmarks.md); where a round cannot pay (a copy of a target stored in 4-bit blocks)
+    # the gate keeps rows from drafting at any K
+    num_draft: int | str = 4
     draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
     draft_vocab: int | None = None  # tokens the draft's readout scores; None or 0: all of them
