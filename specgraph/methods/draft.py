@@ -154,7 +154,8 @@ class DraftOptions(DrafterOptions):
     method: ClassVar[str] = "draft"
     # four drafts a round with the adaptive gate: since the target's own copy reads the target's
     # cache (a one-token run a draft), four beat one on code, chat, creative and repeat prompts in
-    # every run at fp32, 1.21-1.62x against 1.11-1.34x, and `auto` measures four best there
+    # both runs that compared them at fp32 (1.21-1.58x against 1.11-1.34x in one), and `auto`
+    # measures four best there
     # (docs/benchmarks.md); where a round cannot pay (a copy of a target stored in 4-bit blocks)
     # the gate keeps rows from drafting at any K
     num_draft: int | str = 4
