@@ -23,6 +23,7 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -67,6 +68,15 @@ def cut_rule(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     return stand_in + [n for n in nodes if id(n) not in rule]
 
 
+def set_value(out: Path, initializer: str, value: float, section: Any, key: str, said: float) -> None:
+    """Set the one-value `initializer` of out's graph, and what the manifest says of it
+    (`section(method's section)[key] = said`)."""
+    set_initializer(out / "model.onnx", initializer, np.asarray([value], np.float32))
+    manifest = json.loads((out / MANIFEST).read_text())
+    section(manifest[manifest["method"]])[key] = said
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle", type=Path)
@@ -82,15 +92,9 @@ def main() -> None:
     shutil.copytree(args.bundle, args.out)
     graph_path = args.out / "model.onnx"
     if args.confidence is not None:
-        set_initializer(graph_path, "draft_log_confidence", np.log(np.asarray([args.confidence], np.float32)))
-        manifest = json.loads((args.out / MANIFEST).read_text())
-        manifest[manifest["method"]]["confidence"] = args.confidence  # what the manifest says of P
-        (args.out / MANIFEST).write_text(json.dumps(manifest))
+        set_value(args.out, "draft_log_confidence", np.log(args.confidence), lambda m: m, "confidence", args.confidence)
     elif args.threshold is not None:
-        set_initializer(graph_path, "draft_threshold", np.asarray([args.threshold], np.float32))
-        manifest = json.loads((args.out / MANIFEST).read_text())
-        manifest[manifest["method"]]["adaptive"]["threshold"] = args.threshold  # what the manifest says of T
-        (args.out / MANIFEST).write_text(json.dumps(manifest))
+        set_value(args.out, "draft_threshold", args.threshold, lambda m: m["adaptive"], "threshold", args.threshold)
     else:
         model = onnx.load(str(args.bundle / "model.onnx"), load_external_data=False)
         nodes = inline_else(model.graph) if args.inline_else else cut_rule(model.graph)

@@ -2,8 +2,8 @@
 token, as `--draft self:int4` would run it: each draft reads the target's own keys and values of
 the committed tokens, runs only the kept layers on the one new token, and is read out by the
 copy's LM head (eager PyTorch, weights rounded to int4 blocks of 32 as the copy's are; the copy's
-int8 activations are left out). Prints the depth-1 acceptance of each layer set and the share of
-the copy's layer bytes it keeps, so a layer-skipping draft can be priced before it is built.
+int8 activations are left out). Prints the depth-1 acceptance of each layer set and how many of
+the layers it runs, so a layer-skipping draft can be priced before it is built.
 
     python scripts/skip_layers_acceptance.py --prompts humaneval,chat --limit 4 --tokens 48 \
         --skip "" "12-15" "10-17" "9,11,13,15,17,19,21,23"
@@ -68,17 +68,15 @@ def main() -> None:
             ids = torch.tensor([encode_prompt(tokenizer, text, chat=True)])
             with torch.no_grad():
                 out = target.generate(ids, max_new_tokens=args.tokens, do_sample=False)
-            seqs.append((ids.shape[1], out))
+                full = target(out, use_cache=True)  # the target's cache, and its next token after each position
+            seqs.append((ids.shape[1], out, full.past_key_values, full.logits[0].argmax(-1)))
         for skip_text in args.skip:
             skip = parse_layers(skip_text, count)
             kept = torch.nn.ModuleList([layer for i, layer in enumerate(layers) if i not in skip])
             agree = total = 0
-            for start, seq in seqs:
-                with torch.no_grad():
-                    full = target(seq, use_cache=True)
-                want = full.logits[0].argmax(-1)  # the target's next token after each position
+            for start, seq, target_cache, want in seqs:
                 for t in range(start, seq.shape[1] - 1):
-                    cache = copy.deepcopy(full.past_key_values)
+                    cache = copy.deepcopy(target_cache)
                     cache.crop(t - seq.shape[1])  # keep the first t positions
                     draft.model.layers = kept
                     with torch.no_grad():

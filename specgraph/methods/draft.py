@@ -155,9 +155,8 @@ class DraftOptions(DrafterOptions):
     # four drafts a round with the adaptive gate: since the target's own copy reads the target's
     # cache (a one-token run a draft), four beat one on code, chat, creative and repeat prompts in
     # both runs that compared them at fp32 (1.21-1.58x against 1.11-1.34x in one), and `auto`
-    # measures four best there
-    # (docs/benchmarks.md); where a round cannot pay (a copy of a target stored in 4-bit blocks)
-    # the gate keeps rows from drafting at any K
+    # measures four best there (docs/benchmarks.md); where a round cannot pay (a copy of a target
+    # stored in 4-bit blocks) the gate keeps rows from drafting at any K
     num_draft: int | str = 4
     draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
