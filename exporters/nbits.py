@@ -48,6 +48,8 @@ class NBitsReport:
     lanes: int = 0  # of their runs, those whose codes take the kernel's lanes layout
     one_row: int = 0  # of their runs, those in pairs that also hold lanes for one-row calls
     one_row_bytes: int = 0  # bytes of those lanes (stored beside the pairs; a call streams one of the two)
+    quads: int = 0  # of the int8 runs, those whose codes take the quads layout
+    quads_gather_bytes: int = 0  # of those, the pairs a Gather of the same table reads (a call streams one)
     gathers: int = 0
     formats: dict[str, int] = field(default_factory=dict)  # weights per stored format
     float_bytes: int = 0  # fp32 bytes of the weights replaced
@@ -78,12 +80,15 @@ def run_weights_as_blocks(
     lanes: bool = False,
     wide: bool = False,
     one_row: bool = False,
+    quads: bool = False,
 ) -> NBitsReport:
     """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None.
     `native`: products whose blocks the native kernel takes become `specgraph.BlockMatMul` nodes;
     `lanes`: those of one digit, but for a table a Gather also reads, take the lanes layout;
     `wide`: those of two digits take wide lanes (a table the tokens' Gather reads too: it reads them);
-    `one_row`: those of one digit left in pairs also get lanes, which calls of one row read.
+    `one_row`: those of one digit left in pairs also get lanes, which calls of one row read;
+    `quads`: those of one digit at int8 activations take quads (a table a Gather also reads keeps its
+    pairs for the Gather: a call streams one of the two).
     An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), when its
     table is one the tokens gather or a product multiplies (EAGLE's drafter embeds its drafts
     through the target's table), or when its table's name starts with `tables` (a drafter's own,
@@ -129,6 +134,7 @@ def run_weights_as_blocks(
     # ... and a two-digit table whose every Gather is rewritten may take wide lanes: the Gathers read them
     wide_gathers = gathered - {n.input[0] for n in graph.node if n.op_type == "Gather" and not rewritten(n)}
     int8 = accuracy_level == 4
+    quads_gathered: set[str] = set()
     for node in graph.node:
         if node.op_type == "Gemm" and _plain_transb(node) and len(node.input) == 2:
             runs = digits_for(node.input[1])
@@ -150,7 +156,11 @@ def run_weights_as_blocks(
                     also = [
                         one_row and not quantised and not laned[i] and len(r.digits) == 1 for i, r in enumerate(runs)
                     ]
-                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised, also)
+                    quad = [quads and quantised and len(r.digits) == 1 for r in runs]  # a Gather reads the pairs
+                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised, also, quad)
+                    report.quads += sum(quad)
+                    if table in gathered:
+                        quads_gathered.update(q for r, on in zip(runs, quad, strict=True) if on for q, _s in r.digits)
                     report.native += 1
                     report.native_int8 += quantised
                     report.lanes += sum(laned)
@@ -180,6 +190,7 @@ def run_weights_as_blocks(
     graph.node.extend(n for n in new_nodes if n.name not in dropped or not n.name)
     drop_dead(graph)
     report.stored_bytes = _stored_bytes(graph, [d for runs in done.values() for d in runs or []])
+    report.quads_gather_bytes = sum(int(np.prod(t.dims)) for t in graph.initializer if t.name in quads_gathered)
     one_row_lanes = {n.input[7] for n in graph.node if n.op_type == "BlockMatMul" and len(n.input) > 7 and n.input[7]}
     report.one_row_bytes = sum(int(np.prod(t.dims)) for t in graph.initializer if t.name in one_row_lanes)  # uint8
     for domain in ("com.microsoft", NATIVE_DOMAIN) if report.native else ("com.microsoft",):
@@ -242,7 +253,7 @@ def _stored_bytes(graph: onnx.GraphProto, runs: list[_Digits]) -> int:
     """Bytes of the runs' digits, scales and offsets that the rewritten graph still uses (a native
     product needs one scale of a two-digit weight, so the other is dropped unless a Gather reads it)."""
     names = {n for run in runs for pair in run.digits for n in pair} | {run.offset for run in runs if run.offset}
-    names |= {f"{run.digits[0][0].rsplit('.', 1)[0]}.{p}" for run in runs for p in ("d", "m", "lanes")}
+    names |= {f"{run.digits[0][0].rsplit('.', 1)[0]}.{p}" for run in runs for p in ("d", "m", "lanes", "quads")}
     itemsize = helper.tensor_dtype_to_np_dtype
     return sum(int(np.prod(t.dims)) * itemsize(t.data_type).itemsize for t in graph.initializer if t.name in names)
 
@@ -300,12 +311,14 @@ def _native_nodes(
     lanes: list[bool],
     int8: bool = False,
     one_row: list[bool] | None = None,
+    quads: list[bool] | None = None,
 ) -> list[onnx.NodeProto]:
     """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low
     digit or ""), d and m the format's own scale and offset (the low digit's for two digits). With
     `lanes[i]`, run i's codes go in the kernel's lanes layout (`native_lanes`; wide lanes for two
     digits); `int8`: x is quantised to int8 per block of 32 first (`activation_bits=8`);
-    `one_row[i]`: run i keeps pairs and takes its lanes as well (input 7), for calls of one row."""
+    `one_row[i]`: run i keeps pairs and takes its lanes as well (input 7), for calls of one row;
+    `quads[i]`: run i's one digit goes in quads (`native_quads`), for int8 activations."""
     nodes: list[onnx.NodeProto] = []
     outs = []
     for i, run in enumerate(runs):
@@ -315,6 +328,8 @@ def _native_nodes(
         wide = lanes[i] and bool(low)
         if lanes[i]:  # one digit: lanes of 8 outputs; two: wide lanes of 4 (8-bit codes)
             high, low = _native_lanes(graph, run), ""
+        elif quads and quads[i]:
+            high = _native_quads(graph, run)
         inputs = [x, high, d, m, low, "", "", _native_lanes(graph, run) if one_row and one_row[i] else ""]
         while inputs[-1] == "":
             inputs.pop()
@@ -367,6 +382,28 @@ def _native_lanes(graph: onnx.GraphProto, run: _Digits) -> str:
         arrays = {t.name: t for t in graph.initializer}
         packed = [numpy_helper.to_array(arrays[q]) for q, _s in run.digits]
         graph.initializer.append(numpy_helper.from_array(native_lanes(*packed), name))
+    return name
+
+
+def native_quads(packed: np.ndarray) -> np.ndarray:
+    """Packed one-digit codes uint8 [N, K/32, 16] -> quads uint8 [ceil(N/16), K/32, 256]
+    (block_matmul.h): per tile of 16 outputs and block, group g's byte 4o + i is output o's packed
+    byte 4g + i (zero past N)."""
+    n, nb, half = packed.shape
+    tiles = -(-n // NATIVE_SCALE_TILE)
+    padded = np.zeros((tiles * NATIVE_SCALE_TILE, nb, half), np.uint8)
+    padded[:n] = packed
+    grouped = padded.reshape(tiles, NATIVE_SCALE_TILE, nb, half // 4, 4)  # [t, o, b, g, i]
+    return np.ascontiguousarray(grouped.transpose(0, 2, 3, 1, 4)).reshape(tiles, nb, half * NATIVE_SCALE_TILE)
+
+
+def _native_quads(graph: onnx.GraphProto, run: _Digits) -> str:
+    """The quads initializer of a run's one digit, added once."""
+    high = run.digits[0][0]
+    name = f"{high.rsplit('.', 1)[0]}.quads"
+    if name not in {t.name for t in graph.initializer}:
+        packed = numpy_helper.to_array(next(t for t in graph.initializer if t.name == high))
+        graph.initializer.append(numpy_helper.from_array(native_quads(packed), name))
     return name
 
 

@@ -161,9 +161,11 @@ def from_gguf(format_name: str, raw: np.ndarray, rows: int, cols: int) -> BlockW
 # --- weight-only quantisation of a float weight ----------------------------------------------
 
 
-def quantize(weight: np.ndarray, bits: int, block: int) -> BlockWeight:
+def quantize(weight: np.ndarray, bits: int, block: int, half_scales: bool = False) -> BlockWeight:
     """Symmetric round-to-nearest blocks: int4 codes -8..7 (scale = max-magnitude / -8, as Q4_0),
-    int8 codes -127..127 (scale = max|w| / 127, as Q8_0); stored unsigned with the offset."""
+    int8 codes -127..127 (scale = max|w| / 127, as Q8_0); stored unsigned with the offset. With
+    `half_scales` each scale is rounded to float16 first and the codes are taken against it (as
+    Q4_0 and Q8_0 store theirs), so a native product reads half the scale bytes."""
     n, k = weight.shape
     if k % block:
         raise InputError(f"--block-size {block} does not divide a weight's input dimension {k} (shape {n}x{k})")
@@ -173,6 +175,8 @@ def quantize(weight: np.ndarray, bits: int, block: int) -> BlockWeight:
         scale, zero, top = peak / -8.0, 8, 15
     else:
         scale, zero, top = np.abs(w).max(axis=-1) / 127.0, 128, 255
+    if half_scales:
+        scale = scale.astype(np.float16).astype(np.float32)
     inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
     q = np.clip(np.rint(w * inv[..., None]) + zero, 0, top).astype(np.uint8)
     scale = scale.astype(np.float32)

@@ -46,6 +46,20 @@ def resolve(kernels: str) -> str:
     return "native" if library_path() is not None else "ort"
 
 
+def code_path() -> str | None:
+    """Which loops the library runs on this CPU ("avx512-vnni", "avx512", "avx2", "portable"), or
+    None without the library. A compile stores int8 products' one-digit codes as quads only where
+    they run VNNI's loop (block_matmul.h); a bundle still runs, to the same bits, on any CPU."""
+    import ctypes
+
+    path = library_path()
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    library.specgraph_kernels_path.restype = ctypes.c_char_p
+    return str(library.specgraph_kernels_path().decode())
+
+
 def uses_native(manifest: dict[str, Any]) -> bool:
     weights = manifest.get("weights")
     return isinstance(weights, dict) and weights.get("kernels") == "native"

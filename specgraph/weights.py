@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specgraph.errors import InputError
-from specgraph.kernels import KERNELS, check_available
+from specgraph.kernels import KERNELS, check_available, code_path
 
 WEIGHTS = ("source", "fp32", "int8", "int4")
 ACTIVATIONS = ("fp32", "int8")
@@ -38,8 +38,9 @@ _ACCURACY = {"fp32": 1, "int8": 4}  # MatMulNBits accuracy_level
 def streamed_bytes(stored: int, section: dict[str, Any]) -> int:
     """Of `stored` weight bytes, those one call streams, given the manifest's `weights` section: a
     speculative engine keeps its one-digit codes twice (pairs for verify calls, lanes for one-token
-    calls, `native_one_row_bytes`), and a call reads one of the two."""
-    return int(stored) - int(section.get("native_one_row_bytes", 0))
+    calls, `native_one_row_bytes`), and an int8 table that a Gather reads keeps its pairs beside its
+    quads (`native_quads_gather_bytes`): a call reads one of the two."""
+    return int(stored) - int(section.get("native_one_row_bytes", 0)) - int(section.get("native_quads_gather_bytes", 0))
 
 
 def check_weights(weights: str, activations: str, block_size: int, kernels: str = "auto") -> None:
@@ -144,10 +145,13 @@ def store_weights(
         return section
     say("store weights as blocks")
     native = kernels == "native"
+    quads = native and activations == "int8" and code_path() == "avx512-vnni"
     report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations], native=native, lanes=native and one_token,
-                                   wide=native, one_row=native and not one_token)  # fmt: skip
+                                   wide=native, one_row=native and not one_token, quads=quads)  # fmt: skip
     if native and activations == "int8":
         section["native_int8"] = report.native_int8  # the others (blocks other than 32) multiply in float32
+        section["quads"] = report.quads
+        section["native_quads_gather_bytes"] = report.quads_gather_bytes
     attention = run_attention_natively(onnx_path) if kernels == "native" else 0  # the library is loaded anyway
     fused = fuse_into_block_matmuls(onnx_path) if kernels == "native" else {}
     section.update(

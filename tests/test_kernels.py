@@ -17,8 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.default_model import read_gguf
 from specgraph.errors import BundleError, InputError
-from specgraph.exporters.nbits import NATIVE_DOMAIN, native_lanes, native_scale_tiles
-from specgraph.kernels import ENV, library_path
+from specgraph.exporters.nbits import NATIVE_DOMAIN, native_lanes, native_quads, native_scale_tiles
+from specgraph.kernels import ENV, code_path, library_path
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
 from tests.models.tiny_gguf import write_llama_gguf
@@ -301,7 +301,7 @@ for i in range(count):
 
 
 def _product_model(codes: np.ndarray, block: int, layout: str, rng, **attrs) -> onnx.ModelProto:  # type: ignore[no-untyped-def]
-    """A one-node BlockMatMul over codes [N, K] in `layout` (pairs, lanes, wide), float16 scales
+    """A one-node BlockMatMul over codes [N, K] in `layout` (pairs, lanes, wide, quads), float16 scales
     and offsets, with `attrs` (activation_bits, glu) and, for `norm`, a norm input."""
     n, k = codes.shape
     d = (rng.random((k // block, n)) * 0.02 + 0.001).astype(np.float16)
@@ -309,6 +309,8 @@ def _product_model(codes: np.ndarray, block: int, layout: str, rng, **attrs) -> 
     norm = attrs.pop("norm", False)
     if layout == "lanes":
         inits, inputs = [numpy_helper.from_array(native_lanes(_pack(codes, block)), "q")], ["x", "q", "d", "m"]
+    elif layout == "quads":
+        inits, inputs = [numpy_helper.from_array(native_quads(_pack(codes, block)), "q")], ["x", "q", "d", "m"]
     elif layout == "wide":
         lanes = native_lanes(_pack(codes >> 4, block), _pack(codes & 15, block))
         inits, inputs, attrs = [numpy_helper.from_array(lanes, "q")], ["x", "q", "d", "m"], {**attrs, "lane_bits": 8}
@@ -356,7 +358,26 @@ def _product_cases(rng, n: int, k: int) -> list[tuple[str, onnx.ModelProto, bool
         ("norm", _product_model(four, 32, "pairs", rng, norm=True), True),
         ("int8", _product_model(four, 32, "pairs", rng, activation_bits=8), False),
         ("int8, two digits", _product_model(eight, 32, "pairs", rng, activation_bits=8), False),
+        ("int8, quads", _product_model(four, 32, "quads", rng, activation_bits=8), False),
     ]
+
+
+def test_quads_give_the_pairs_loops_bits_at_every_row_count():
+    """Quads (block_matmul.h) feed each (row, output)'s int8 chain in the pairs loop's lane order:
+    the same bits for every row count and output tail, so an engine whose products read quads
+    emits what one reading pairs does (the AVX2 and portable quads loops: the tests above)."""
+    rng = np.random.default_rng(11)
+    for n, k in ((75, 96), (130, 64), (16, 128), (48, 1536)):
+        codes = rng.integers(0, 16, (n, k))
+        seed = int(rng.integers(1 << 30))
+        pairs, quads = (_product_model(codes, 32, layout, np.random.default_rng(seed), activation_bits=8)
+                        for layout in ("pairs", "quads"))  # fmt: skip
+        for rows in (1, 2, 3, 4, 5, 7):
+            feed = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
+            assert np.array_equal(_run_here(quads, feed)[0], _run_here(pairs, feed)[0]), (n, k, rows)
+    at_float32 = _product_model(rng.integers(0, 16, (16, 64)), 32, "quads", rng)  # quads need int8 activations
+    with pytest.raises(Exception, match="quads hold one digit in blocks of 32 at int8 activations"):
+        _run_here(at_float32, {"x": np.ones((1, 64), np.float32)})
 
 
 def test_the_portable_loops_compute_what_the_avx2_ones_do(tmp_path):
@@ -779,6 +800,8 @@ def test_auto_kernels_are_native_at_either_activations(tmp_path):
         assert weights["kernels"] == "native" and engine.extra_slots == 0
         if activations == "int8":
             assert weights["native_int8"] == weights["matmuls"] > 0 and weights["native_lanes"] == 0
+            # the one-digit (Q4_1) products read quads where the library runs VNNI's loop, pairs elsewhere
+            assert weights["quads"] == (weights["matmuls"] - 1 if code_path() == "avx512-vnni" else 0)
 
 
 def test_float32_weights_run_their_attention_natively(tmp_path):

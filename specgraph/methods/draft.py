@@ -50,6 +50,7 @@ import torch
 
 from specgraph import draft_vocab, sampling
 from specgraph.errors import InputError
+from specgraph.kernels import code_path
 from specgraph.methods.base import NUM_DRAFT_HELP, Built, Finished, Measure, Method, Options, count_or_auto
 from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
 from specgraph.weights import check_blocks_fit, streamed_bytes
@@ -490,9 +491,11 @@ class DraftMethod(Method):
         bits = SELF.get(opts.draft)
         summary = f"draft {opts.draft}, {per_round(engine.num_draft)}"
         if bits is not None:
-            section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size)
+            quads = bits == 4 and built.meta.get("kernels") == "native" and code_path() == "avx512-vnni"
+            section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size, quads=quads)
             copy = section["weights"]
-            share = copy["block_bytes"] / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
+            streamed = copy["block_bytes"] - copy.get("quads_gather_bytes", 0)
+            share = streamed / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
             section["bytes_share"] = round(share, 3)
             if share >= DEAR_COPY:
                 summary += (f"; the copy reads {share:.2f} of the bytes a step reads, so a draft costs most of a plain "
@@ -783,29 +786,37 @@ def _gate(staging: Path, engine: ModelDrafts) -> tuple[int, int]:
                         tokens="next_tokens", fill=fill)  # fmt: skip
 
 
-def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = False) -> dict[str, Any]:
+def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = False,
+                     quads: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run the staged engine's drafter matrices (`draft_gm.*`) as `bits`-bit blocks with int8
     activations (`exporters/nbits.py`, accuracy level 4): a drafter only proposes, so its
     arithmetic costs acceptance, never exactness. With `native` (a bundle that runs specgraph's
     kernels already) they are `specgraph.BlockMatMul` nodes in float32 instead, 8-bit codes in
     wide lanes, with the norms, SwiGLU and residual adds around them folded in as the target's
     are: one node a product where ONNX Runtime's path takes four or five (docs/benchmarks.md,
-    EAGLE). Returns the manifest's description."""
+    EAGLE). With `quads` (4-bit codes, where the library runs VNNI's loop) they are native
+    products at int8 activations with their codes in quads and float16 scales (block_matmul.h):
+    a draft run 1.4-1.5x cheaper than ONNX Runtime's on a Xeon (docs/benchmarks.md, draft models).
+    Returns the manifest's description."""
     from specgraph import blocks
     from specgraph.exporters.native_fusion import fuse_into_block_matmuls
     from specgraph.exporters.nbits import run_weights_as_blocks
 
+    native = native or quads
     own = lambda name, w: (  # noqa: E731
-        [blocks.quantize(w, bits, block_size)]
+        [blocks.quantize(w, bits, block_size, half_scales=quads)]
         if name.startswith("draft_gm.") and w.shape[1] % block_size == 0
         else None
     )
     path = staging / "model.onnx"
-    report = run_weights_as_blocks(path, own, accuracy_level=1 if native else 4, tables="draft_gm.", native=native,
-                                   wide=native)  # fmt: skip
-    section = {"weights": f"int{bits}", "activations": "float32" if native else "int8", "block_size": block_size,
+    level = 1 if native and not quads else 4
+    report = run_weights_as_blocks(path, own, accuracy_level=level, tables="draft_gm.", native=native,
+                                   wide=native, quads=quads)  # fmt: skip
+    section = {"weights": f"int{bits}", "activations": "float32" if level == 1 else "int8", "block_size": block_size,
                "kernels": "native" if native else "ort", "matmuls": report.matmuls,
                "float32_bytes": report.float_bytes, "block_bytes": report.stored_bytes}  # fmt: skip
+    if quads:  # the tied LM head keeps its pairs for the embedding's Gather: a run streams one of the two
+        section.update(quads=report.quads, quads_gather_bytes=report.quads_gather_bytes)
     if native:
         section["native_fused"] = fuse_into_block_matmuls(path)  # the target's were folded before: these are its own
     return section

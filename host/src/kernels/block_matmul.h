@@ -34,6 +34,14 @@
 // digits, so an 8-bit code is two such products), then y = sum_b d_b * e_b * T_b + c'_b * e_b *
 // sum q. Each (row, output) is one chain in an order no row count changes, so a row of a verify
 // call equals that row computed alone, bit for bit, as in float32.
+//
+// Quads (one 4-bit digit, int8 activations, blocks of 32): for each tile of 16 outputs, block by
+// block, each group g < 4 of 8 inputs as 64 bytes, byte 4o + i the pairs layout's byte 4g + i of
+// the tile's output o (input 8g + 2i in its low nibble, 8g + 2i + 1 in its high one). One VNNI
+// four-byte product of the low nibbles with 4 even activation codes and one of the high nibbles
+// with 4 odd ones give 16 outputs' integer sums over the group at once, where pairs take two
+// outputs a register with their scales gathered one by one; the float steps follow the pairs
+// loop's lane order, so quads give its bits (scripts/int8_quads_bench.cpp priced it first).
 #pragma once
 
 #include <cstddef>
@@ -54,11 +62,13 @@ struct BlockWeights {
   bool half = false;               // d and m are float16 (else float32)
   bool lanes = false;              // `high` holds lanes [ceil(N / 8), K] of 8 outputs' codes (one digit)
   bool wide = false;               // with lanes: 8-bit codes (two digits' worth), [ceil(N / 4), K], 4 a lane
+  bool quads = false;              // `high` holds quads [ceil(N / 16), K / 32, 256] (one digit, int8 activations)
 };
 
 constexpr int64_t kLaneOutputs = 8;  // outputs whose codes share a 32-bit lane
 
 constexpr int64_t kInt8Block = 32;  // inputs that share one int8 step
+constexpr int64_t kQuadBytes = 256;  // a quads tile's bytes per block: 16 outputs x 32 inputs
 
 // x rearranged once per call: each block's even inputs, then its odd ones, and each block's sum.
 // With int8 activations (`codes` set) instead: x quantised, per pair of blocks (a last odd block

@@ -13,7 +13,8 @@
 // x is [..., 2K] and the product takes silu(x[..., :K]) * x[..., K:]; with addend, y = x' @ W^T +
 // addend, the Add it replaces, to the bit. exporters/native_fusion.py fuses the graph's nodes so.
 // (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit;
-// with lane_bits = 8, wide lanes [ceil(N/4), K, 4] of 8-bit codes, 4 outputs a lane)
+// with lane_bits = 8, wide lanes [ceil(N/4), K, 4] of 8-bit codes, 4 outputs a lane; or, one digit in
+// blocks of 32 at activation_bits 8 only, quads [ceil(N/16), K/32, 256], block_matmul.h)
 // one_row: high's one-digit codes again, in lanes, which a call of one row reads instead (lanes are
 // faster for one row, pairs for several on AVX2, and both round alike, to the bit: a speculative
 // engine's one-token rounds then cost what a `none` engine's steps do; float32 activations only).
@@ -223,9 +224,14 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   const int64_t per_lane = kernel.wide ? sg::kernels::kLaneOutputs / 2 : sg::kernels::kLaneOutputs;
   const int64_t lane_tiles = (kernel.n + per_lane - 1) / per_lane;
   const bool lanes = high_dims == std::vector<int64_t>{lane_tiles, kernel.k, 4};
+  const int64_t tile = sg::kernels::kScaleTile;
+  const bool quads = !lanes && high_dims == std::vector<int64_t>{(kernel.n + tile - 1) / tile, nb, sg::kernels::kQuadBytes};
+  if (quads && (!kernel.int8 || kernel.block != sg::kernels::kInt8Block || in[4] || in[7])) {
+    return fail("quads hold one digit in blocks of 32 at int8 activations (activation_bits 8)");
+  }
   if (kernel.wide && !lanes) return fail("lane_bits 8: the codes are not wide lanes [ceil(N/4), K, 4]");
-  if (!lanes && (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half)) {
-    return fail("packed codes are neither [N, K/block, block/2] nor lanes [ceil(N/8), K, 4]");
+  if (!lanes && !quads && (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half)) {
+    return fail("packed codes are neither [N, K/block, block/2], lanes [ceil(N/8), K, 4] nor quads [ceil(N/16), K/32, 256]");
   }
   if (lanes && in[4]) return fail("lanes hold one digit: a low digit cannot go with them");
   if (lanes && kernel.int8) return fail("int8 activations take the pairs layout, not lanes");
@@ -237,7 +243,6 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
       return fail("one-row lanes go with one digit in pairs at float32 activations, as [ceil(N/8), K, 4]");
     }
   }
-  const int64_t tile = sg::kernels::kScaleTile;
   const std::vector<int64_t> scales_shape{(kernel.n + tile - 1) / tile, nb, tile};
   if (scale_dims != scales_shape || (in[3] && offset_dims != scales_shape)) {
     return fail("d or m is not [ceil(N/16), K/block, 16]");
@@ -261,6 +266,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   if (in[3]) SG_TRY(data_of(in[3], &w.offset));
   w.half = scale_type == kHalf;
   w.lanes = lanes || one_row;
+  w.quads = quads;
   w.wide = kernel.wide;
   if (in[4]) SG_TRY(data_of(in[4], &w.low));
 
