@@ -1,30 +1,25 @@
-// The prototype of the library's quads layout (block_matmul.h) for the int8-activation product of
-// one-digit codes, which priced it before it was built (docs/benchmarks.md, issue 9): "quads", 16
-// outputs' codes for 8 inputs in one 64-byte load, so that VNNI's four-byte dot products take 16
-// outputs at once, against the pairs layout the int8 loop reads today (one output's blocks in a
-// run; two outputs a register, their scales gathered one by one).
+// The library's int8-activation product of one-digit codes in its two layouts, the same data, one
+// binary (docs/benchmarks.md, issue 9): "quads", 16 outputs' codes for 8 inputs in one 64-byte
+// load, so that VNNI's four-byte dot products take 16 outputs at once, against the digits
+// ("pairs") layout (one output's blocks in a run; two outputs a register, their scales gathered
+// one by one). A prototype of this loop priced quads before the library had them (commit f0a8e97
+// holds it, with its prefetch variants).
 //
 // Quads: for each tile of 16 outputs, block by block, group g of 8 inputs (g < 4): 64 bytes, byte
 // 4o + i the pairs layout's byte 4g + i of output o (inputs 8g + 2i in the low nibble, 8g + 2i + 1
 // in the high one). One VNNI product of the low nibbles with 4 even activation codes, one of the
 // high nibbles with 4 odd ones, give lane (block parity, g) of int8_chain's sum for all 16 outputs,
-// and the float steps follow int8_chain's order, so the result is the current loop's to the bit
-// (checked below for every output of SmolLM2's 120 one-digit matrix shapes).
+// and the float steps follow int8_chain's order, so the result is the pairs loop's to the bit
+// (checked below for every output of SmolLM2's four one-digit matrix shapes).
 //
-// It includes the kernel's source, so it runs against today's loop in one binary, same data:
+// It includes the kernel's source:
 //
 //   g++ -O3 -mavx2 -mfma -mf16c -std=c++17 -Ihost/src/kernels \
 //       -DKFILE='"block_matmul.cpp"' scripts/int8_quads_bench.cpp -o /tmp/int8_quads_bench -lpthread
 //   /tmp/int8_quads_bench 2 30     # threads, distinct layers (1: hot in cache; 30: streamed)
 //
-// "pairs (today)" is the library's digits-layout loop as compiled from the included source.
+// -DSG_QUADS_AHEAD=N builds the quads loop with its codes prefetched N blocks ahead (the library: 16).
 #include KFILE
-#ifndef PF_D  // blocks ahead that every line of the codes is prefetched, and into which cache (the
-#define PF_D 16  // library's loop: 16, T0; -DPF_D=4 ... 32 and -DPF_H=_MM_HINT_T1 were the variants tried)
-#endif
-#ifndef PF_H
-#define PF_H _MM_HINT_T0
-#endif
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -38,7 +33,7 @@ using namespace sg::kernels;
 struct Matrix {
   std::vector<uint8_t> pairs, quads;
   std::vector<uint16_t> d, m;  // float16, [ceil(N / 16), K / 32, 16]
-  BlockWeights w;
+  BlockWeights w, wq;  // the same weights in pairs and in quads
 };
 
 static double now() {
@@ -54,51 +49,6 @@ static std::vector<uint8_t> to_quads(const std::vector<uint8_t>& pairs, int64_t 
       for (int64_t j = 0; j < 16; ++j)
         q[((((o / 16) * nb + b) * 4 + j / 4) * 16 + o % 16) * 4 + j % 4] = pairs[(o * nb + b) * 16 + j];
   return q;
-}
-
-// Outputs [16 t0, 16 t1) of one row, quads layout, int8 activations, one digit, float16 d and m.
-__attribute__((target(SG_AVX512 ",avx512vnni"))) static void quads_row(const Matrix& mat, const PreparedInput& in,
-                                                                      float* y, int64_t t0, int64_t t1) {
-  const int64_t nb = mat.w.k / 32;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512 centre = _mm512_set1_ps(8.0f);
-  for (int64_t t = t0; t < t1; ++t) {
-    __m512 acc[8];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    __m512 offsets = _mm512_setzero_ps();
-    const uint8_t* codes = mat.quads.data() + t * nb * 256;
-    const uint16_t* d = mat.d.data() + t * nb * 16;
-    const uint16_t* m = mat.m.data() + t * nb * 16;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t p = b / 2, h = b % 2;
-      const int8_t* q = in.codes + p * 64 + h * 16;
-      const __m512 db = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * 16)));
-      const __m512 mb = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * 16)));
-      const __m512 step = _mm512_mul_ps(_mm512_set1_ps(in.steps[p * 8 + 4 * h]), db);
-      for (int g = 0; g < 4; ++g) {
-        _mm_prefetch(reinterpret_cast<const char*>(codes + (b + PF_D) * 256 + g * 64), PF_H);
-        const __m512i v = _mm512_loadu_si512(codes + b * 256 + g * 64);
-        int32_t even, odd;
-        std::memcpy(&even, q + 4 * g, 4);
-        std::memcpy(&odd, q + 32 + 4 * g, 4);
-        __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, nibble), _mm512_set1_epi32(even));
-        sum = _mm512_dpbusd_epi32(sum, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), _mm512_set1_epi32(odd));
-        if (g == 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(in.centred[p * 8 + 4 * h]));
-        acc[4 * h + g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step, acc[4 * h + g]);
-      }
-      offsets = _mm512_fmadd_ps(_mm512_fmadd_ps(centre, db, mb), _mm512_set1_ps(in.sums[b]), offsets);
-    }
-    const __m512 chain = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6])),
-                                       _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])));
-    const int64_t left = mat.w.n - 16 * t;
-    if (left >= 16) {
-      _mm512_storeu_ps(y + 16 * t, _mm512_add_ps(chain, offsets));
-    } else {
-      alignas(64) float out[16];
-      _mm512_store_ps(out, _mm512_add_ps(chain, offsets));
-      std::memcpy(y + 16 * t, out, left * sizeof(float));
-    }
-  }
 }
 
 int main(int argc, char** argv) {
@@ -123,6 +73,9 @@ int main(int argc, char** argv) {
       for (auto& v : mat.d) v = static_cast<uint16_t>(0x2000 + (rng() & 0x3ff));  // small positive
       for (auto& v : mat.m) v = static_cast<uint16_t>(0xa000 + (rng() & 0x3ff));  // small negative
       mat.w = BlockWeights{n, k, 32, mat.pairs.data(), nullptr, mat.d.data(), mat.m.data(), true, false, false};
+      mat.wq = mat.w;
+      mat.wq.high = mat.quads.data();
+      mat.wq.quads = true;
       mats.push_back(std::move(mat));
     }
   // one row of int8 activations per input width, as quantise_input prepares them
@@ -146,27 +99,23 @@ int main(int argc, char** argv) {
                                rows[i].centred.data()};
   }
   auto input = [&](const Matrix& mat) -> const PreparedInput& { return rows[mat.w.k == 1536].in; };
-  // the same bits as today's loop, every output of every shape
+  // the same bits in both layouts, every output of every shape
   int64_t differ = 0;
   std::vector<float> a(3072), b(3072);
   for (int s = 0; s < 4; ++s) {
     const Matrix& mat = mats[s];
     block_matmul(mat.w, input(mat), a.data(), 0, mat.w.n);
-    quads_row(mat, input(mat), b.data(), 0, (mat.w.n + 15) / 16);
+    block_matmul(mat.wq, input(mat), b.data(), 0, mat.w.n);
     for (int64_t o = 0; o < mat.w.n; ++o) differ += std::memcmp(&a[o], &b[o], 4) != 0;
   }
-  printf("outputs that differ from today's int8 loop in any bit: %lld\n", static_cast<long long>(differ));
+  printf("outputs of quads that differ from pairs in any bit: %lld\n", static_cast<long long>(differ));
   auto time = [&](bool quads) {
     auto work = [&](int t) {
       thread_local std::vector<float> out(3072);
       for (int rep = 0; rep < 30 / distinct; ++rep)
         for (auto& mat : mats) {
           const int64_t tiles = (mat.w.n + 15) / 16, t0 = t * tiles / threads, t1 = (t + 1) * tiles / threads;
-          if (quads) {
-            quads_row(mat, input(mat), out.data(), t0, t1);
-          } else {
-            block_matmul(mat.w, input(mat), out.data(), t0 * 16, std::min(mat.w.n, t1 * 16));
-          }
+          block_matmul(quads ? mat.wq : mat.w, input(mat), out.data(), t0 * 16, std::min(mat.w.n, t1 * 16));
         }
     };
     const double start = now();
@@ -183,6 +132,6 @@ int main(int argc, char** argv) {
   }
   std::sort(pairs_ms.begin(), pairs_ms.end());
   std::sort(quads_ms.begin(), quads_ms.end());
-  printf("%d thread(s), %d distinct layer(s), one row, int8 activations: pairs (today) %.2f ms, quads %.2f ms median\n",
+  printf("%d thread(s), %d distinct layer(s), one row, int8 activations: pairs %.2f ms, quads %.2f ms median\n",
          threads, distinct, pairs_ms[15], quads_ms[15]);
 }

@@ -963,7 +963,10 @@ __attribute__((target("avx2,fma,f16c"))) void quads_avx2(const BlockWeights& w, 
 
 // quads_avx2 with VNNI, 16 outputs a register: every line of the codes is prefetched 16 blocks
 // (4 KB) ahead, which the hardware prefetcher does not do (without it the loop ran 1.2x faster
-// than pairs from memory instead of 1.7-1.9x, scripts/int8_quads_bench.cpp).
+// than pairs from memory instead of 1.7-1.9x, scripts/int8_quads_bench.cpp builds other distances).
+#ifndef SG_QUADS_AHEAD
+#define SG_QUADS_AHEAD 16
+#endif
 __attribute__((target(SG_AVX512 ",avx512vnni"))) void quads512(const BlockWeights& w, const PreparedInput& in, float* y,
                                                               int64_t n_begin, int64_t n_end) {
   const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2;
@@ -980,7 +983,7 @@ __attribute__((target(SG_AVX512 ",avx512vnni"))) void quads512(const BlockWeight
         const __m512 d = sixteen(w, w.scale, at);
         const __m512 step = _mm512_mul_ps(_mm512_set1_ps(in.steps[p * 8 + 4 * h]), d);
         for (int g = 0; g < 4; ++g) {
-          if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (b + 16) * kQuadBytes + g * 64), _MM_HINT_T0);
+          if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (b + SG_QUADS_AHEAD) * kQuadBytes + g * 64), _MM_HINT_T0);
           const __m512i v = _mm512_loadu_si512(codes + b * kQuadBytes + g * 64);
           int32_t even, odd;
           std::memcpy(&even, q + 4 * g, 4);
