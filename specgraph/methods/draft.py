@@ -491,7 +491,8 @@ class DraftMethod(Method):
         bits = SELF.get(opts.draft)
         summary = f"draft {opts.draft}, {per_round(engine.num_draft)}"
         if bits is not None:
-            quads = bits == 4 and built.meta.get("kernels") == "native" and code_path() == "avx512-vnni"
+            quads = (bits == 4 and opts.draft_block_size == 32 and built.meta.get("kernels") == "native"
+                     and code_path() == "avx512-vnni")  # fmt: skip
             section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size, quads=quads)
             copy = section["weights"]
             streamed = copy["block_bytes"] - copy.get("quads_gather_bytes", 0)
