@@ -797,7 +797,7 @@ def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = F
     are: one node a product where ONNX Runtime's path takes four or five (docs/benchmarks.md,
     EAGLE). With `quads` (4-bit codes, where the library runs VNNI's loop) they are native
     products at int8 activations with their codes in quads and float16 scales (block_matmul.h):
-    a draft run 1.4-1.5x cheaper than ONNX Runtime's on a Xeon (docs/benchmarks.md, draft models).
+    a draft run 1.5-1.7x cheaper than ONNX Runtime's on a Xeon (docs/benchmarks.md, draft models).
     Returns the manifest's description."""
     from specgraph import blocks
     from specgraph.exporters.native_fusion import fuse_into_block_matmuls
