@@ -17,6 +17,7 @@
 //   g++ -O3 -mavx2 -mfma -mf16c -std=c++17 -Ihost/src/kernels \
 //       -DKFILE='"block_matmul.cpp"' scripts/int8_quads_bench.cpp -o /tmp/int8_quads_bench -lpthread
 //   /tmp/int8_quads_bench 2 30     # threads, distinct layers (1: hot in cache; 30: streamed)
+//   ROWS=4 /tmp/int8_quads_bench 2 30   # a verify call's rows (default 1)
 //
 // -DSG_QUADS_AHEAD=N builds the quads loop with its codes prefetched N blocks ahead (the library: 16).
 #include KFILE
@@ -78,7 +79,8 @@ int main(int argc, char** argv) {
       mat.wq.quads = true;
       mats.push_back(std::move(mat));
     }
-  // one row of int8 activations per input width, as quantise_input prepares them
+  // `rows` rows of int8 activations per input width, as quantise_input prepares them
+  const int64_t nrows = getenv("ROWS") ? atoi(getenv("ROWS")) : 1;
   struct Row {
     std::vector<int8_t> codes;
     std::vector<float> steps, sums;
@@ -87,31 +89,31 @@ int main(int argc, char** argv) {
   } rows[2];
   for (int i = 0; i < 2; ++i) {
     const int64_t k = i ? 1536 : 576, pairs = (k / 32 + 1) / 2;
-    std::vector<float> x(k);
+    std::vector<float> x(nrows * k);
     for (auto& v : x) v = static_cast<float>(rng() % 1000) / 1000.0f - 0.5f;
-    rows[i].codes.resize(pairs * 64);
-    rows[i].steps.resize(pairs * 8);
-    rows[i].centred.resize(pairs * 8);
-    rows[i].sums.resize(k / 32);
-    quantise_input(x.data(), 1, k, 8, rows[i].codes.data(), rows[i].steps.data(), rows[i].centred.data(),
+    rows[i].codes.resize(nrows * pairs * 64);
+    rows[i].steps.resize(nrows * pairs * 8);
+    rows[i].centred.resize(nrows * pairs * 8);
+    rows[i].sums.resize(nrows * k / 32);
+    quantise_input(x.data(), nrows, k, 8, rows[i].codes.data(), rows[i].steps.data(), rows[i].centred.data(),
                    rows[i].sums.data());
-    rows[i].in = PreparedInput{1, nullptr, rows[i].sums.data(), rows[i].codes.data(), rows[i].steps.data(),
+    rows[i].in = PreparedInput{nrows, nullptr, rows[i].sums.data(), rows[i].codes.data(), rows[i].steps.data(),
                                rows[i].centred.data()};
   }
   auto input = [&](const Matrix& mat) -> const PreparedInput& { return rows[mat.w.k == 1536].in; };
   // the same bits in both layouts, every output of every shape
   int64_t differ = 0;
-  std::vector<float> a(3072), b(3072);
+  std::vector<float> a(3072 * nrows), b(3072 * nrows);
   for (int s = 0; s < 4; ++s) {
     const Matrix& mat = mats[s];
     block_matmul(mat.w, input(mat), a.data(), 0, mat.w.n);
     block_matmul(mat.wq, input(mat), b.data(), 0, mat.w.n);
-    for (int64_t o = 0; o < mat.w.n; ++o) differ += std::memcmp(&a[o], &b[o], 4) != 0;
+    for (int64_t o = 0; o < nrows * mat.w.n; ++o) differ += std::memcmp(&a[o], &b[o], 4) != 0;
   }
   printf("outputs of quads that differ from pairs in any bit: %lld\n", static_cast<long long>(differ));
   auto time = [&](bool quads) {
     auto work = [&](int t) {
-      thread_local std::vector<float> out(3072);
+      thread_local std::vector<float> out(3072 * nrows);
       for (int rep = 0; rep < 30 / distinct; ++rep)
         for (auto& mat : mats) {
           const int64_t tiles = (mat.w.n + 15) / 16, t0 = t * tiles / threads, t1 = (t + 1) * tiles / threads;
@@ -132,6 +134,6 @@ int main(int argc, char** argv) {
   }
   std::sort(pairs_ms.begin(), pairs_ms.end());
   std::sort(quads_ms.begin(), quads_ms.end());
-  printf("%d thread(s), %d distinct layer(s), one row, int8 activations: pairs %.2f ms, quads %.2f ms median\n",
-         threads, distinct, pairs_ms[15], quads_ms[15]);
+  printf("%d thread(s), %d distinct layer(s), %lld row(s), int8 activations: pairs %.2f ms, quads %.2f ms median\n",
+         threads, distinct, static_cast<long long>(nrows), pairs_ms[15], quads_ms[15]);
 }

@@ -961,20 +961,77 @@ __attribute__((target("avx2,fma,f16c"))) void quads_avx2(const BlockWeights& w, 
   }
 }
 
-// quads_avx2 with VNNI, 16 outputs a register: every line of the codes is prefetched 16 blocks
-// (4 KB) ahead, which the hardware prefetcher does not do (without it the loop ran 1.2x faster
-// than pairs from memory instead of 1.7-1.9x, scripts/int8_quads_bench.cpp builds other distances).
+// quads_avx2 with VNNI, 16 outputs a register, rows two at a time: every line of the codes is
+// prefetched 16 blocks (4 KB) ahead, which the hardware prefetcher does not do (without it the
+// loop ran 1.2x faster than pairs from memory instead of 1.7-1.9x, scripts/int8_quads_bench.cpp
+// builds other distances).
 #ifndef SG_QUADS_AHEAD
 #define SG_QUADS_AHEAD 16
 #endif
-__attribute__((target(SG_AVX512 ",avx512vnni"))) void quads512(const BlockWeights& w, const PreparedInput& in, float* y,
-                                                              int64_t n_begin, int64_t n_end) {
+
+// Rows [r0, r0 + R) of one tile: the codes' nibbles and the tile's scales are taken once for all
+// R rows (a verify call's second row cost 35% of its first when each row took its own), and each
+// row's float steps are the one-row loop's, so a row's result does not depend on R.
+template <int R>
+__attribute__((target(SG_AVX512 ",avx512vnni"))) void quads_tile512(const BlockWeights& w, const PreparedInput& in,
+                                                                   float* y, int64_t t, int64_t r0, int64_t n_end) {
+  const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512 centre8 = _mm512_set1_ps(8.0f);
+  const uint8_t* codes = w.high + t * nb * kQuadBytes;
+  __m512 acc[R][8], offsets[R];
+  for (int r = 0; r < R; ++r) {
+    offsets[r] = _mm512_setzero_ps();
+    for (auto& a : acc[r]) a = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t h = b % 2, at = scale_at(w, b, t * kScaleTile);
+    const __m512 d = sixteen(w, w.scale, at);
+    __m512 step[R];
+    const int8_t* q[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t p = (r0 + r) * pairs + b / 2;
+      q[r] = in.codes + p * 64 + h * 16;
+      step[r] = _mm512_mul_ps(_mm512_set1_ps(in.steps[p * 8 + 4 * h]), d);
+    }
+    for (int g = 0; g < 4; ++g) {
+      if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (b + SG_QUADS_AHEAD) * kQuadBytes + g * 64), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(codes + b * kQuadBytes + g * 64);
+      const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      for (int r = 0; r < R; ++r) {
+        int32_t even, odd;
+        std::memcpy(&even, q[r] + 4 * g, 4);
+        std::memcpy(&odd, q[r] + 32 + 4 * g, 4);
+        __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_set1_epi32(even));
+        sum = _mm512_dpbusd_epi32(sum, high, _mm512_set1_epi32(odd));
+        if (g == 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(in.centred[((r0 + r) * pairs + b / 2) * 8 + 4 * h]));
+        acc[r][4 * h + g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step[r], acc[r][4 * h + g]);
+      }
+    }
+    const __m512 m = w.offset ? sixteen(w, w.offset, at) : _mm512_setzero_ps();
+    const __m512 shifted = _mm512_fmadd_ps(centre8, d, m);
+    for (int r = 0; r < R; ++r)
+      offsets[r] = _mm512_fmadd_ps(shifted, _mm512_set1_ps(in.sums[(r0 + r) * nb + b]), offsets[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512* a = acc[r];
+    const __m512 chain = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                                       _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+    alignas(64) float out[16];
+    _mm512_store_ps(out, _mm512_add_ps(chain, offsets[r]));
+    for (int64_t c = 0; c < kScaleTile && t * kScaleTile + c < n_end; ++c) y[(r0 + r) * w.n + t * kScaleTile + c] = out[c];
+  }
+}
+
+__attribute__((target(SG_AVX512 ",avx512vnni"))) void quads_one512(const BlockWeights& w, const PreparedInput& in, float* y,
+                                                              int64_t n_begin, int64_t n_end,
+                                                                  int64_t r_begin) {
   const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512 centre8 = _mm512_set1_ps(8.0f);
   for (int64_t t = n_begin / kScaleTile; t * kScaleTile < n_end; ++t) {
     const uint8_t* codes = w.high + t * nb * kQuadBytes;
-    for (int64_t r = 0; r < in.rows; ++r) {
+    for (int64_t r = r_begin; r < in.rows; ++r) {
       __m512 acc[8], offsets = _mm512_setzero_ps();
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
@@ -1003,6 +1060,26 @@ __attribute__((target(SG_AVX512 ",avx512vnni"))) void quads512(const BlockWeight
       for (int64_t c = 0; c < kScaleTile && t * kScaleTile + c < n_end; ++c) y[r * w.n + t * kScaleTile + c] = out[c];
     }
   }
+}
+
+void quads512(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
+  int64_t r = 0;
+  if (in.rows > 1)
+    for (int64_t t = n_begin / kScaleTile; t * kScaleTile < n_end; ++t)
+      for (r = 0; in.rows - r > 1;) {
+        const int64_t left = in.rows - r;
+        if (left >= 4) {
+          quads_tile512<4>(w, in, y, t, r, n_end);
+          r += 4;
+        } else if (left == 3) {
+          quads_tile512<3>(w, in, y, t, r, n_end);
+          r += 3;
+        } else {
+          quads_tile512<2>(w, in, y, t, r, n_end);
+          r += 2;
+        }
+      }
+  if (r < in.rows) quads_one512(w, in, y, n_begin, n_end, r);
 }
 
 void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
