@@ -71,9 +71,9 @@ PROBE_BUDGET = 0.02
 # model's stored Q4_1 weights the int4 copy is 0.77 of them, and with one draft a round it ran
 # 0.61-0.73x `none` drafting every round (docs/benchmarks.md)
 DEAR_COPY = 0.5
-AUTO_MAX_DRAFT = 4  # --num-draft auto: the longest round it considers (the first build's K)
+AUTO_MAX_DRAFT = 4  # --num-draft auto: the longest round it considers (the first build's K); a method may say more
 AUTO_PROMPTS = "chat"  # --num-draft auto: the prompt sets acceptance is measured on by default
-AUTO_LIMIT, AUTO_TOKENS = 6, 48  # --num-draft auto: prompts per set, and new tokens per prompt
+AUTO_LIMIT, AUTO_TOKENS = 6, 96  # --num-draft auto: prompts per set, and new tokens per prompt
 GATE_ROUNDS = 7  # interleaved rounds timing a drafting call against an idle one (the gate's threshold, auto)
 
 
@@ -84,6 +84,7 @@ class DrafterOptions(Options):
     redeclare `num_draft` with their own default."""
 
     method: ClassVar[str] = ""
+    auto_longest: ClassVar[int] = AUTO_MAX_DRAFT  # --num-draft auto: the longest round it considers
     # K: draft tokens per round, or "auto" (measured at compile time, `auto_draft`). One by default
     # for a learned drafter (eagle redeclares it; early-exit 3); `draft` four (DraftOptions); a
     # drafter far cheaper than the target may pay longer rounds, which `auto` measures
@@ -104,7 +105,7 @@ class DrafterOptions(Options):
 
     def check(self) -> None:
         if self.num_draft == "auto":
-            check_adaptive(self.adapts, self.adaptive_threshold, AUTO_MAX_DRAFT)
+            check_adaptive(self.adapts, self.adaptive_threshold, self.auto_longest)
         elif isinstance(self.num_draft, int) and not isinstance(self.num_draft, bool):
             check_adaptive(self.adapts, self.adaptive_threshold, self.num_draft)
             if not 1 <= self.num_draft <= 16:
@@ -133,7 +134,7 @@ class DrafterOptions(Options):
     @property
     def draft_count(self) -> int:
         """K of the engine to build: `auto` first builds the longest it considers, and measures."""
-        return AUTO_MAX_DRAFT if self.num_draft == "auto" else int(self.num_draft)
+        return self.auto_longest if self.num_draft == "auto" else int(self.num_draft)
 
     @property
     def adapts(self) -> bool:
@@ -159,6 +160,10 @@ class DraftOptions(DrafterOptions):
     # measures four best there (docs/benchmarks.md); where a round cannot pay (a copy of a target
     # stored in 4-bit blocks) the gate keeps rows from drafting at any K
     num_draft: int | str = 4
+    # `--num-draft auto` tries up to six: the int4 copy on quads pays rounds of four and five (1.78x
+    # and 1.83x on HumanEval at fp32); trying up to four on 48 calibration tokens a prompt, auto
+    # chose 2 (1.64x), on 96 tokens and up to six it chose 4 (docs/benchmarks.md, draft models)
+    auto_longest: ClassVar[int] = 6
     draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
     draft_vocab: int | None = None  # tokens the draft's readout scores; None or 0: all of them
@@ -618,7 +623,7 @@ def finish_drafts(staging: Path, engine: ModelDrafts, section: dict[str, Any], s
 
 def auto_draft(staging: Path, engine: ModelDrafts, section: dict[str, Any], opts: DrafterOptions,
                measure: Measure) -> Finished:  # fmt: skip
-    """`--num-draft auto`, the first build (K = AUTO_MAX_DRAFT, gated, its threshold 0 so every
+    """`--num-draft auto`, the first build (K = the method's `auto_longest`, gated, its threshold 0 so every
     row drafts every round): generate `opts.auto_prompts` greedily for the acceptance by depth,
     time a call verifying n = 1..K+1 tokens with the drafter and one without it, and ask the
     compiler to build again with the K that `choose_draft_count` predicts fastest."""

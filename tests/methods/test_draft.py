@@ -371,7 +371,7 @@ def test_a_reduced_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(tin
 
 
 def test_num_draft_auto_measures_then_builds_the_k_it_predicts_fastest(tiny_folder, tmp_path):
-    """`--num-draft auto`: the first build (K = 4, gated) generates the calibration prompts and
+    """`--num-draft auto`: the first build (K = 6 for draft, gated) generates the calibration prompts and
     times the engine; the bundle is then built again with the K of the best predicted speed-up,
     with the run-time gate (on by default), and it is still exactly the target."""
     prompts = tmp_path / "calibration.jsonl"
@@ -383,7 +383,7 @@ def test_num_draft_auto_measures_then_builds_the_k_it_predicts_fastest(tiny_fold
     engine = Engine(out)
     section = engine.manifest["draft"]
     auto, k = section["auto"], section["num_draft"]
-    assert [row["k"] for row in auto["table"]] == [1, 2, 3, 4]
+    assert [row["k"] for row in auto["table"]] == [1, 2, 3, 4, 5, 6]  # DraftOptions.auto_longest
     assert auto["chosen"] == k == max(auto["table"], key=lambda row: row["speedup"])["k"]
     assert engine.manifest["draft_depth"] == k and section["adaptive"]["threshold"] >= 0
     assert auto["rounds"] > 0 and all(0 <= a <= 1 for a in auto["acceptance_by_depth"])

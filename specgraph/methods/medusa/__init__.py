@@ -30,7 +30,6 @@ from specgraph.errors import InputError
 from specgraph.loaders import model_fingerprint
 from specgraph.methods.base import Built, Finished, Measure, Method
 from specgraph.methods.draft import (
-    AUTO_MAX_DRAFT,
     AUTO_PROMPTS,
     DrafterOptions,
     ModelDrafts,
@@ -273,7 +272,7 @@ class MedusaMethod(Method):
         heads.vocab = draft_vocab.choose(options.draft_vocab, options.draft_vocab_file, DRAFT_VOCAB, fingerprint,
                                          anatomy.vocab_size, loaded.name)  # fmt: skip
         if options.chained and options.draft_count > heads.num_heads:
-            asked = f"auto, which tries up to {AUTO_MAX_DRAFT}" if options.num_draft == "auto" else options.num_draft
+            asked = f"auto, which tries up to {options.auto_longest}" if options.num_draft == "auto" else options.num_draft
             raise InputError(f"--num-draft {asked} drafts a round, but {Path(path).name} has {heads.num_heads} heads: "
                              "one draft per head")  # fmt: skip
         return heads
