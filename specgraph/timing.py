@@ -15,6 +15,7 @@ from specgraph.sampling import SamplingParams
 # state that keeps an adaptive row drafting (methods/draft.py ModelDrafts._adapt): timed with its
 # state at zero, on random tokens, the rule would stop the row and the gate skip the drafter
 DRAFTING = {"draft_score": 1e9}
+SETTLE = 8  # verify_cost_curve: untimed one-token calls that begin each round
 
 
 def drafting(engine: Engine) -> dict[str, float]:
@@ -71,12 +72,13 @@ def verify_cost_curve(
     """c(N) of the engine at context `cache_len`, each call verifying N tokens in each of `batch`
     rows: {"cache_len", "ms": {N: ms}, "ratio": {N: c(N)/c(1)}, "break_even_tau": {N: tau},
     "skipped": [N...]}. N that do not fit in the engine's maximum context are skipped; N=1 is
-    always timed (the ratios need it). Each round calls every N in turn, each followed by a
-    one-token call, and charges N what the pair costs beyond a one-token call that follows a
-    one-token call: what the N-token call adds to a decode loop, the one after it included (a
-    one-token call after eight-token ones ran 0.2-1.1 ms slower, over about five calls, on an
-    int8 engine's 4 ms step; timing each N alone put that on whichever N came next). Medians
-    over `repeats` rounds; every call's state stays bound, as a decode loop's does.
+    always timed (the ratios need it). A wide call slows the calls after it: after one 64-token
+    call the next six to eight one-token steps of an int8 engine ran 0.8-2.6 ms slower than their
+    4 ms, after one 8-token call the next four 0.2-0.6 ms. So each round first makes SETTLE
+    untimed one-token calls, then times one call of each N, narrowest first: a call is never
+    timed right after a wider one, and the penalty a narrower one leaves is small beside its own
+    cost. c(N) is the median over `repeats` rounds; every call's state stays bound, as a decode
+    loop's does.
 
     break_even_tau[N] is the mean accepted length (tokens per step) at which a step verifying N
     tokens just pays against plain decoding: tau / c(N) = 1 / c(1), so tau = c(N)/c(1) (drafting
@@ -85,15 +87,13 @@ def verify_cost_curve(
     fits = [n for n in sorted(set(ns) | {1}) if cache_len + n <= engine.max_context]
     state = engine.new_state(batch)
     calls = {n: PreparedCall(engine, n, cache_len, batch=batch, state=state) for n in fits}
-    pairs: dict[int, list[float]] = {n: [] for n in fits}
-    after: dict[int, list[float]] = {n: [] for n in fits}
+    times: dict[int, list[float]] = {n: [] for n in fits}
     for _ in range(max(repeats, 1)):
+        for _ in range(SETTLE):
+            calls[1].seconds()
         for n in fits:
-            own = calls[n].seconds()
-            after[n].append(calls[1].seconds())
-            pairs[n].append(own + after[n][-1])
-    steady = statistics.median(after[1])
-    by_n = {n: (statistics.median(pairs[n]) - steady) * 1e3 for n in fits}
+            times[n].append(calls[n].seconds())
+    by_n = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     base = by_n.get(1)
     ratio = {n: t / base for n, t in by_n.items()} if base else {}
     return {"cache_len": cache_len, "ms": by_n, "ratio": ratio, "break_even_tau": dict(ratio),
