@@ -15,7 +15,8 @@ from specgraph.sampling import SamplingParams
 # state that keeps an adaptive row drafting (methods/draft.py ModelDrafts._adapt): timed with its
 # state at zero, on random tokens, the rule would stop the row and the gate skip the drafter
 DRAFTING = {"draft_score": 1e9}
-SETTLE = 8  # verify_cost_curve: untimed one-token calls that begin each round
+# verify_cost_curve: untimed one-token calls that begin each round, at least this many and this long
+SETTLE, SETTLE_S = 8, 0.08
 
 
 def drafting(engine: Engine) -> dict[str, float]:
@@ -74,8 +75,9 @@ def verify_cost_curve(
     "skipped": [N...]}. N that do not fit in the engine's maximum context are skipped; N=1 is
     always timed (the ratios need it). A wide call slows the calls after it: after one 64-token
     call the next six to eight one-token steps of an int8 engine ran 0.8-2.6 ms slower than their
-    4 ms, after one 8-token call the next four 0.2-0.6 ms. So each round first makes SETTLE
-    untimed one-token calls, then times one call of each N, narrowest first: a call is never
+    4 ms (in a slower hour, 0.4-3.0 ms over eight), after one 8-token call the next four 0.2-0.6
+    ms. So each round first makes untimed one-token calls, at least SETTLE of them and SETTLE_S
+    seconds' worth, then times one call of each N, narrowest first: a call is never
     timed right after a wider one, and the penalty a narrower one leaves is small beside its own
     cost. c(N) is the median over `repeats` rounds; every call's state stays bound, as a decode
     loop's does.
@@ -89,8 +91,10 @@ def verify_cost_curve(
     calls = {n: PreparedCall(engine, n, cache_len, batch=batch, state=state) for n in fits}
     times: dict[int, list[float]] = {n: [] for n in fits}
     for _ in range(max(repeats, 1)):
-        for _ in range(SETTLE):
-            calls[1].seconds()
+        settling, spent = 0, 0.0
+        while settling < SETTLE or spent < SETTLE_S:
+            spent += calls[1].seconds()
+            settling += 1
         for n in fits:
             times[n].append(calls[n].seconds())
     by_n = {n: statistics.median(t) * 1e3 for n, t in times.items()}
