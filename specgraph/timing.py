@@ -37,15 +37,18 @@ class PreparedCall:
                  batch: int = 1, fill: dict[str, float] | None = None,
                  state: dict[str, Any] | None = None) -> None:  # fmt: skip
         if cache_len + n_tokens > engine.max_context:
-            raise InputError(f"cannot time {n_tokens} tokens at context {cache_len}: max context is {engine.max_context}")
+            raise InputError(f"cannot time {n_tokens} tokens at context {cache_len}: "
+                             f"max context is {engine.max_context}")  # fmt: skip
         self.engine = engine
         self.state = state if state is not None else engine.new_state(batch, engine.check_sampling(params))
         self.io = engine.session.io_binding()
-        tokens = np.random.default_rng(0).integers(0, int(engine.manifest["vocab_size"]), (batch, n_tokens), dtype=np.int64)
+        vocab = int(engine.manifest["vocab_size"])
+        tokens = np.random.default_rng(0).integers(0, vocab, (batch, n_tokens), dtype=np.int64)
         self.feeds = engine.first_feeds(tokens, 1, cache_len)
         for name, value in (fill or {}).items():
             self.feeds[name] = np.full_like(self.feeds[name], value)
-        engine.call(self.io, self.feeds, self.state)  # warm-up, which binds the state as a decode loop's first call does
+        # a warm-up call, which binds the state as a decode loop's first call does
+        engine.call(self.io, self.feeds, self.state)
 
     def seconds(self) -> float:
         """Seconds of one more call."""

@@ -272,7 +272,8 @@ class MedusaMethod(Method):
         heads.vocab = draft_vocab.choose(options.draft_vocab, options.draft_vocab_file, DRAFT_VOCAB, fingerprint,
                                          anatomy.vocab_size, loaded.name)  # fmt: skip
         if options.chained and options.draft_count > heads.num_heads:
-            asked = f"auto, which tries up to {options.auto_longest}" if options.num_draft == "auto" else options.num_draft
+            auto = options.num_draft == "auto"
+            asked = f"auto, which tries up to {options.auto_longest}" if auto else options.num_draft
             raise InputError(f"--num-draft {asked} drafts a round, but {Path(path).name} has {heads.num_heads} heads: "
                              "one draft per head")  # fmt: skip
         return heads
