@@ -80,9 +80,11 @@ def verify_cost_curve(
     call the next six to eight one-token steps of an int8 engine ran 0.8-2.6 ms slower than their
     4 ms (in a slower hour, 0.4-3.0 ms over eight), after one 8-token call the next four 0.2-0.6
     ms. So each round first makes untimed one-token calls, at least SETTLE of them and SETTLE_S
-    seconds' worth, then times one call of each N, narrowest first: a call is never
-    timed right after a wider one, and the penalty a narrower one leaves is small beside its own
-    cost. c(N) is the median over `repeats` rounds; every call's state stays bound, as a decode
+    seconds' worth, then times a second call of each N after an untimed first, narrowest first: a
+    call is never timed right after a wider one, and the penalty a narrower one leaves is small
+    beside its own cost. (The first call after a change of width pays ONNX Runtime's change of
+    shapes: on a tiny test model, whose call takes 0.2 ms, that alone read as c(2)/c(1) = 1.6-10
+    and kept lookup from sending any draft.) c(N) is the median over `repeats` rounds; every call's state stays bound, as a decode
     loop's does.
 
     break_even_tau[N] is the mean accepted length (tokens per step) at which a step verifying N
@@ -99,6 +101,7 @@ def verify_cost_curve(
             spent += calls[1].seconds()
             settling += 1
         for n in fits:
+            calls[n].seconds()  # the first call of another width pays ONNX Runtime's change of shapes
             times[n].append(calls[n].seconds())
     by_n = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     base = by_n.get(1)

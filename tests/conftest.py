@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from filelock import FileLock
 
@@ -50,6 +51,16 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_folder):
         # draft's drafting every round (not adaptive), so the verifier sees several drafts a call
         own = {"lookup": {"num_draft": 5}, "draft": {"num_draft": 4, "adaptive": False}}.get(method, {})
         compile_model(CompileConfig.of(tiny_folder(family), out, method, max_context=160, emit_logits=True, **own))
+        if method == "lookup":
+            # the adaptive rule reads the verify-cost curve measured at compile time, and a tiny
+            # model's 0.2 ms call timed on a loaded CI machine gave c(2)/c(1) from 1.0 to 10: the
+            # shared bundle runs a flat curve (every draft sent), so what its tests check does not
+            # depend on that noise; test_engine.py's adaptive tests set their own curves
+            from specgraph.exporters.onnx import set_initializer
+            from specgraph.exporters.manifest import reseal
+
+            set_initializer(out / "model.onnx", "lookup_cost", np.ones(6, np.float32))
+            reseal(out)
 
     return lambda family, method: _built_once(
         tmp_path_factory, f"bundle_{family}_{method}", lambda out: build(family, method, out)
