@@ -56,8 +56,8 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_folder):
             # model's 0.2 ms call timed on a loaded CI machine gave c(2)/c(1) from 1.0 to 10: the
             # shared bundle runs a flat curve (every draft sent), so what its tests check does not
             # depend on that noise; test_engine.py's adaptive tests set their own curves
-            from specgraph.exporters.onnx import set_initializer
             from specgraph.exporters.manifest import reseal
+            from specgraph.exporters.onnx import set_initializer
 
             set_initializer(out / "model.onnx", "lookup_cost", np.ones(6, np.float32))
             reseal(out)
