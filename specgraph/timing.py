@@ -84,8 +84,8 @@ def verify_cost_curve(
     call is never timed right after a wider one, and the penalty a narrower one leaves is small
     beside its own cost. (The first call after a change of width pays ONNX Runtime's change of
     shapes: on a tiny test model, whose call takes 0.2 ms, that alone read as c(2)/c(1) = 1.6-10
-    and kept lookup from sending any draft.) c(N) is the median over `repeats` rounds; every call's state stays bound, as a decode
-    loop's does.
+    and kept lookup from sending any draft.) c(N) is the median over `repeats` rounds; every
+    call's state stays bound, as a decode loop's does.
 
     break_even_tau[N] is the mean accepted length (tokens per step) at which a step verifying N
     tokens just pays against plain decoding: tau / c(N) = 1 / c(1), so tau = c(N)/c(1) (drafting
@@ -117,7 +117,7 @@ def interleaved_ms(
     points in turn, so a burst of load elsewhere on the machine lands on every point alike
     instead of skewing one ratio. Each point is a `PreparedCall`, all on one state, made once:
     a fresh state for every timed call (the caches zeroed, the binding new) added 0.3-1.5 ms to
-    an int8 engine's 4 ms call, which a decode loop never pays, and so flattened c(N) / c(1)."""
+    an int8 engine's 4 ms call, which a decode loop never pays."""
     state = engine.new_state(batch)
     calls = {p: PreparedCall(engine, p[0], p[1], batch=batch, state=state) for p in points}
     times: dict[tuple[int, int], list[float]] = {p: [] for p in points}

@@ -961,10 +961,9 @@ __attribute__((target("avx2,fma,f16c"))) void quads_avx2(const BlockWeights& w, 
   }
 }
 
-// quads_avx2 with VNNI, 16 outputs a register, rows two at a time: every line of the codes is
-// prefetched 16 blocks (4 KB) ahead, which the hardware prefetcher does not do (without it the
-// loop ran 1.2x faster than pairs from memory instead of 1.7-1.9x, scripts/int8_quads_bench.cpp
-// builds other distances).
+// quads_avx2 with VNNI, 16 outputs a register: every line of the codes is prefetched 16 blocks
+// (4 KB) ahead, which the hardware prefetcher does not do (without it the loop ran 1.2x faster
+// than pairs from memory instead of 1.7-1.9x, scripts/int8_quads_bench.cpp builds other distances).
 #ifndef SG_QUADS_AHEAD
 #define SG_QUADS_AHEAD 16
 #endif
@@ -1023,9 +1022,10 @@ __attribute__((target(SG_AVX512 ",avx512vnni"))) void quads_tile512(const BlockW
   }
 }
 
+// Rows [r_begin, rows) one at a time, every tile: the one-token step's loop (and a call's last
+// row when its count is odd after the groups of quads512).
 __attribute__((target(SG_AVX512 ",avx512vnni"))) void quads_one512(const BlockWeights& w, const PreparedInput& in, float* y,
-                                                              int64_t n_begin, int64_t n_end,
-                                                                  int64_t r_begin) {
+                                                                  int64_t n_begin, int64_t n_end, int64_t r_begin) {
   const int64_t nb = w.k / kInt8Block, pairs = (nb + 1) / 2;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512 centre8 = _mm512_set1_ps(8.0f);
