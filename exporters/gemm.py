@@ -20,14 +20,16 @@ from onnx import helper, numpy_helper
 logger = logging.getLogger("specgraph.exporters")
 
 
-def matmul_to_gemm(path: Path, leading_input: str = "tokens", drafter: tuple[str, str] | None = None) -> int:
+def matmul_to_gemm(path: Path, leading_input: str = "tokens",
+                   drafters: tuple[tuple[str, str], ...] = ()) -> int:  # fmt: skip
     """Rewrite `path` (and its external data file) in place; return how many MatMuls changed.
 
-    `drafter` = (parameter prefix, name prefix): a product traced from a parameter whose name
-    starts with the first (a drafter run on other token counts than `leading_input`'s, e.g.
-    "p_draft_gm_") restores its leading dimensions from its own input, and its weight is renamed
-    to start with the second ("draft_gm."), so later rewrites can tell the drafter's weights
-    from the target's (the exporter names folded weights val_N)."""
+    `drafters`: (parameter prefix, name prefix) of each drafter network: a product traced from a
+    parameter whose name starts with the first (a drafter run on other token counts than
+    `leading_input`'s, e.g. "p_draft_gm_") restores its leading dimensions from its own input,
+    and its weight is renamed to start with the second ("draft_gm."), so later rewrites can tell
+    each drafter's weights from the target's and from another drafter's (the exporter names
+    folded weights val_N; a cascade's two copies of the target hold the same bytes)."""
     model = onnx.load(str(path))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -43,11 +45,13 @@ def matmul_to_gemm(path: Path, leading_input: str = "tokens", drafter: tuple[str
     seen: dict[tuple, str] = {}  # type: ignore[type-arg]  # a module run several times: one weight, not one per run
     for node in graph.node:
         weight = _weight_out_in(node, inits, producers, uses) if node.op_type == "MatMul" else None
-        own = drafter is not None and drafter[0] in _traced_from(node)
-        if weight is not None and own and drafter is not None and not weight.startswith(drafter[1]):
-            weight = _rename(graph, inits, weight, drafter[1] + weight)
+        traced = _traced_from(node)
+        owner = next((name for param, name in drafters if param in traced), "")  # "": the target's
+        if weight is not None and owner and not weight.startswith(owner):
+            weight = _rename(graph, inits, weight, owner + weight)
         if weight is not None:
-            weight = _shared(inits, weight, own, seen)  # never the target's weight for the drafter's product
+            weight = _shared(inits, weight, owner, seen)  # never another owner's weight
+        own = bool(owner)
         rank = ranks.get(node.input[0]) if weight is not None else None
         if weight is None or rank not in (2, 3):
             new_nodes.append(node)
@@ -70,11 +74,11 @@ def matmul_to_gemm(path: Path, leading_input: str = "tokens", drafter: tuple[str
     return changed
 
 
-def _shared(inits: dict, name: str, own: bool, seen: dict) -> str:  # type: ignore[type-arg]
+def _shared(inits: dict, name: str, owner: str, seen: dict) -> str:  # type: ignore[type-arg]
     """The first initializer of the same owner with the same dims and bytes as `name` (the
     exporter folds a separate transposed copy of a weight for every call of the module that reads it)."""
     t = inits[name]
-    key = (own, hashlib.blake2b(numpy_helper.to_array(t).tobytes(), digest_size=16).digest(), tuple(t.dims))
+    key = (owner, hashlib.blake2b(numpy_helper.to_array(t).tobytes(), digest_size=16).digest(), tuple(t.dims))
     return seen.setdefault(key, name)
 
 

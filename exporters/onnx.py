@@ -101,7 +101,7 @@ def export_onnx(
         raise ExportError("ONNX export returned no program")
     path.parent.mkdir(parents=True, exist_ok=True)
     program.save(str(path), external_data=True)
-    matmul_to_gemm(path, drafter=getattr(engine, "drafter_weights", None))
+    matmul_to_gemm(path, drafters=getattr(engine, "drafter_weights", ()))
     fuse_rotary(path)
     if heads and isinstance(engine, StepEngine):  # chains: each run's mask is causal from its write position
         caches = {"past_key_": heads} if engine.sliding_window is None else {}

@@ -101,14 +101,15 @@ def store_weights(
     activations: str,
     block_size: int,
     progress: Callable[[str], None] | None = None,
-    skip: str | None = None,
+    skip: str | tuple[str, ...] | None = None,
     kernels: str = "ort",
     one_token: bool = False,
 ) -> dict[str, Any]:
     """Rewrite the exported engine's matrices for `weights`; return the manifest's `weights` section.
-    Initializers whose names start with `skip` (a drafter's own weights) are left as they are. With
-    native kernels the fused attention layers run specgraph's own `CachedAttention` too, the products
-    take in the norms, SwiGLUs and residual adds around them (`exporters/native_fusion.py`), and
+    Initializers whose names start with `skip` (a prefix or a tuple of them: the drafters' own
+    weights) are left as they are. With native kernels the fused attention layers run specgraph's
+    own `CachedAttention` too, the products take in the norms, SwiGLUs and residual adds around
+    them (`exporters/native_fusion.py`), and
     `one_token` (an engine whose decode calls take one token: `none`) stores one-digit codes in the
     kernel's lanes layout, faster for one row and slower for several (docs/benchmarks.md), and every
     other engine keeps them in pairs for its verify calls and stores them in lanes too for its

@@ -27,7 +27,8 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
     """How the 8-token model is compiled for the statistics: 3 lookup drafts, random Medusa
     heads (so candidates disagree with the target) with TREE, 3 drafts sampled from another
     8-token model (DRAFT_SEED: its q is far from the target's p, total variation 0.4 for the first
-    token at temperature 1), or 3 drafts sampled from an untrained EAGLE drafter; writes the
+    token at temperature 1), a cascade's 3 argmax drafts (`draft-cascade`), or 3 drafts sampled
+    from an untrained EAGLE drafter; writes the
     heads, tree, draft model and drafter once."""
     heads, tree, draft = root / "heads.safetensors", root / "tree.json", root / "draft-v8"
     if not draft.exists():
@@ -57,6 +58,8 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
         own = {**own, "draft_confidence": 0.05}
     if method.endswith("-fixed"):  # lookup sends every draft it finds
         own = {**own, "adaptive": False}
+    if method == "draft-cascade":  # the int4 copy's 2 drafts checked and extended by the int8 copy: point masses
+        own = {"draft": "self:int4", "cascade": "self:int8", "num_draft": 3, "adaptive": False}
     return CompileConfig.of(folder, root / method, name, max_context=64, **own)
 
 

@@ -65,6 +65,7 @@ METHODS = [
     "medusa",
     "medusa-chain",
     "draft",
+    "draft-cascade",
     "eagle",
     "eagle-adaptive",
     "eagle-confident",

@@ -165,6 +165,9 @@ class DraftOptions(DrafterOptions):
     # chose 2 (1.64x), on 96 tokens and up to six it chose 4 (docs/benchmarks.md, draft models)
     auto_longest: ClassVar[int] = 6
     draft: str = "self:int4"  # a model path or alias, or self:int4 / self:int8
+    # a mid model that checks the drafts and extends them by one before the target verifies:
+    # self:int8 (or self:int4) beside a --draft of the other self copy (`DraftStepEngine._cascade`)
+    cascade: str | None = None
     draft_block_size: int = 32  # self:int4 / self:int8: weights per block
     draft_vocab: int | None = None  # tokens the draft's readout scores; None or 0: all of them
     draft_vocab_file: str | None = None  # a token ranking (scripts/draft_vocab.py); default: the shipped one
@@ -180,6 +183,16 @@ class DraftOptions(DrafterOptions):
         if self.draft not in SELF and self.draft != DEFAULT_MODEL and not Path(self.draft).expanduser().exists():
             raise InputError(f"--draft {self.draft}: no such file or folder (a draft is a model path, "
                              f"{DEFAULT_MODEL}, self:int4 or self:int8)")  # fmt: skip
+        if self.cascade is not None:
+            if self.cascade not in SELF or self.draft not in SELF or self.cascade == self.draft:
+                raise InputError(f"--cascade {self.cascade} with --draft {self.draft}: a cascade is two of the "
+                                 "target's own copies, e.g. --draft self:int4 --cascade self:int8")  # fmt: skip
+            if self.num_draft == "auto" or self.draft_confidence is not None:
+                raise InputError("--cascade takes a fixed --num-draft and the adaptive gate (not --num-draft auto "
+                                 "or --draft-confidence)")  # fmt: skip
+            if self.num_draft == 1:
+                raise InputError("--cascade needs --num-draft 2 or more: the drafter makes K - 1 drafts, the mid "
+                                 "model checks them and adds one")  # fmt: skip
 
     def files(self) -> list[str | Path | None]:
         files: list[str | Path | None] = [*super().files(), self.draft_vocab_file]
@@ -204,6 +217,8 @@ class Drafter:
     # the target's own copy (self:int4/int8): it keeps no cache, it reads the target's keys and
     # values of the committed tokens and writes its drafts' into the target's slots past them
     reads_target_cache: bool = False
+    # --cascade: the mid model (another self copy) that checks this drafter's drafts
+    cascade: Drafter | None = None
 
 
 class ModelDrafts(StepEngine):
@@ -214,7 +229,7 @@ class ModelDrafts(StepEngine):
 
     # the drafter's products run on other token counts than the target's, and its weights are
     # its own (exporters/gemm.py)
-    drafter_weights = ("p_draft_gm_", "draft_gm.")
+    drafter_weights: tuple[tuple[str, str], ...] = (("p_draft_gm_", "draft_gm."),)
     # True: the drafts are the drafter's argmax even when sampling, point masses that the one-hot
     # form of the rule verifies (no q carried, one uniform a position; Medusa's chain)
     point_masses = False
@@ -226,7 +241,8 @@ class ModelDrafts(StepEngine):
                  confidence: float | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.vocab_size = vocab_size
-        self.num_draft = num_draft
+        self.num_draft = num_draft  # drafts a round sends at most
+        self.drafter_steps = num_draft  # drafts the drafter makes (a cascade's mid model adds one)
         self.draft_kv_shapes = cache_shapes
         self.draft_layers = len(cache_shapes) // 2
         # with sampling, q of the drafts rides along (see the module docstring)
@@ -311,7 +327,7 @@ class ModelDrafts(StepEngine):
         """`_chain`'s drafts i..K from draft i (`drafted`, `carry` as it left the drafter).
         reach: [B, 1] the summed log-probabilities of drafts 1..i-1 (None for i = 1)."""
         d, q, logp = drafted
-        if i == self.num_draft:
+        if i == self.drafter_steps:
             return [d], [q], [logp]
         nxt, later = step(i, d, carry, params)
         reach = logp if reach is None else (None if logp is None else reach + logp)
@@ -320,7 +336,7 @@ class ModelDrafts(StepEngine):
             return [d, *ds], [q, *qs], [logp, *logps]
         go = torch.ops.specgraph.draft_stop((reach >= self.get_buffer("draft_log_confidence")).any(), i)
         # what stopping leaves is shaped from draft i's values, so computing it needs no later step
-        n = self.num_draft - i
+        n = self.drafter_steps - i
         tail = torch.where(go, torch.cat(ds, dim=1), torch.zeros_like(d).expand(-1, n))  # [B, K - i]
         lp = torch.where(go, torch.cat(logps, dim=1), torch.full_like(logp, float("-inf")).expand(-1, n))
         later_q = None if q is None else torch.where(go, torch.cat(qs, dim=1), torch.zeros_like(q).expand(-1, n, -1))
@@ -408,12 +424,24 @@ class DraftStepEngine(ModelDrafts):
 
     def __init__(self, *args: Any, drafter: Drafter, **kwargs: Any) -> None:
         shared = drafter.reads_target_cache
+        # a cascade's drafts are argmaxes, point masses that the one-hot rule verifies when sampling
+        self.point_masses = drafter.cascade is not None
         super().__init__(*args, cache_shapes=[] if shared else drafter.kv_shapes, vocab=drafter.vocab, **kwargs)
         self.draft_gm = drafter.gm  # registered as a submodule: its weights are draft_gm.*
         self.draft_window = drafter.window
         self.draft_heads = drafter.heads  # lets the export fuse the draft's cached attention too
         self.target_layers = drafter.target_layers
         self.reads_target_cache = shared
+        self.cascade = drafter.cascade is not None
+        if drafter.cascade is not None:  # `_cascade`: the drafter makes K - 1 drafts, the mid model one more
+            assert shared and drafter.cascade.reads_target_cache, "a cascade is two of the target's own copies"
+            assert self.confidence is None, "a cascade sends its drafts by its own count"
+            self.cascade_gm = drafter.cascade.gm  # its weights are cascade_gm.*
+            self.drafter_weights = (*self.drafter_weights, ("p_cascade_gm_", "cascade_gm."))
+            self.drafter_steps = self.num_draft - 1
+            # each row's checked drafts (the gate's n_draft, when there is one, says only whether it drafts)
+            self.draft_outputs += ("n_sent",)
+            self.trims = {"next_tokens": "n_sent"}
 
     def draft(self, state, tokens, cache_len, bonus, cache_len_out, params, *target_kv):  # type: ignore[no-untyped-def]
         """See the module docstring; a drafter that `reads_target_cache` (`target_kv`: the target's
@@ -436,21 +464,52 @@ class DraftStepEngine(ModelDrafts):
             last = logits.gather(1, committed[:, None, None].expand(b, 1, logits.shape[-1]))  # [B, 1, V]
             first = self._propose(last, cache_len_out[:, None] + 1, params)
 
+        last = [kv]  # the caches as the latest run left them (a cascade's mid model runs after it)
+
         def step(i, d, carry, params):  # type: ignore[no-untyped-def]
             pos = cache_len_out[:, None] + i  # [B, 1] where d'_i goes
             logits, kv = self._run(d, pos, pos[:, 0], carry[0])
+            last[0] = kv
             return self._propose(logits, pos + 1, params), (kv,)
 
         drafts, qs, logps, kv = self._chain(first, (kv,), step, params)
         own = [] if self.reads_target_cache else kv  # the target's caches are its outputs already
-        return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, own, qs, logps)
+        if not self.cascade:
+            return self._outputs(state, tokens, cache_len, cache_len_out, bonus, drafts, own, qs, logps)
+        # after the drafter's last run: each cache stays one chain of runs (exporters/gqa.py fuses only those)
+        checked, sent = self._cascade(bonus, drafts, cache_len_out, last[0])
+        next_tokens, extra = self._outputs(state, tokens, cache_len, cache_len_out, bonus, [checked], [], [], [])
+        if self.adaptive:  # the gate's count says whether a row drafts, the mid model's how many it sends
+            sent = torch.where(extra[-1] > 0, sent, torch.zeros_like(sent))
+        return next_tokens, [*extra, sent]
 
-    def _run(self, tokens, positions, write_at, kv):  # type: ignore[no-untyped-def]
-        """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])."""
+    def _cascade(self, bonus, drafts, at, kv):  # type: ignore[no-untyped-def]
+        """`--cascade`: the mid model (`cascade_gm`, another of the target's own copies) runs once
+        on [bonus, d_1..d_{K-1}], the drafter's drafts, at their positions from `at` [B] (writing
+        its own keys and values over the drafter's in the target's cache slots past the committed
+        tokens, scratch as the drafter's were), and its argmax after each, e_1..e_K, are the
+        drafts sent: e_1..e_{j+1} where the drafter's first j drafts equal the mid model's, each
+        the mid model's greedy token after the one before (the drafter's draft j+1, where it
+        differs, is replaced by the mid model's, and where all agree e_K extends the chain). A
+        row sends those j + 1 (`n_sent`); the ones after lie on a draft the mid model rejected.
+        Every draft is an argmax, a point mass, even when sampling: lossless as any chain of them
+        is (the target keeps the prefix equal to its own argmax, or with sampling to its own
+        draws, the one-hot form of the rule). Returns the drafts [B, K] and n_sent [B]."""
+        seq = torch.cat([bonus, *drafts], dim=1)  # [B, K]
+        positions = at[:, None] + torch.arange(seq.shape[1], dtype=_I64)[None, :]
+        logits, _ = self._run(seq, positions, at, kv, self.cascade_gm)  # [B, K, V]
+        checked = logits.argmax(dim=-1)  # [B, K]
+        agree = seq[:, 1:] == checked[:, :-1]  # [B, K - 1]: draft i equals the mid model's token there
+        kept = (torch.cumsum((~agree).to(_I64), dim=1) == 0).to(_I64).sum(dim=1)  # [B] j
+        return checked, kept + 1
+
+    def _run(self, tokens, positions, write_at, kv, gm=None):  # type: ignore[no-untyped-def]
+        """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])
+        by the drafter, or by `gm` (a cascade's mid model)."""
         s = kv[1].shape[-2]
         masks = chain_masks(positions, s, self.draft_window)
         span = attn_span(positions.max() + 1, s)
-        logits, *present = self.draft_gm(tokens, positions, *masks, write_at, span, *kv)
+        logits, *present = (self.draft_gm if gm is None else gm)(tokens, positions, *masks, write_at, span, *kv)
         return logits, present
 
 
@@ -469,6 +528,12 @@ class DraftMethod(Method):
         group.add_argument(
             "--draft-block-size", type=int, help="draft: weights per block for self:int4 / self:int8 (default 32)"
         )
+        group.add_argument(
+            "--cascade", metavar="self:int8",
+            help="draft: a cascade. The --draft copy makes K - 1 drafts, the target's other own copy "
+            "(e.g. --draft self:int4 --cascade self:int8) checks them in one run and sends the target the prefix it "
+            "agrees with plus its own next token, at most K; the drafts are argmaxes, point masses when sampling",
+        )  # fmt: skip
         add_drafting_flags(group)
 
     def prepare(self, loaded: Any, anatomy: Any, cfg: Any) -> Drafter:
@@ -483,6 +548,11 @@ class DraftMethod(Method):
         drafter = model_drafter(source, loaded, anatomy, cfg, opts.draft, default_vocab=0)
         if source is loaded:  # the target's own copy: the target's keys and values stand in for its own
             drafter.reads_target_cache = True
+        if opts.cascade is not None:
+            check_blocks_fit(loaded, f"int{SELF[opts.cascade]}", opts.draft_block_size, flag="--draft-block-size")
+            mid = model_drafter(loaded, loaded, anatomy, cfg, opts.cascade, default_vocab=0, reduce=False)
+            mid.reads_target_cache = True
+            drafter.cascade = mid
         return drafter
 
     def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
@@ -496,17 +566,31 @@ class DraftMethod(Method):
         bits = SELF.get(opts.draft)
         summary = f"draft {opts.draft}, {per_round(engine.num_draft)}"
         if bits is not None:
-            quads = (bits == 4 and opts.draft_block_size == 32 and built.meta.get("kernels") == "native"
-                     and code_path() == "avx512-vnni")  # fmt: skip
-            section["weights"] = quantise_drafter(staging, bits, opts.draft_block_size, quads=quads)
-            copy = section["weights"]
-            streamed = copy["block_bytes"] - copy.get("quads_gather_bytes", 0)
-            share = streamed / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
-            section["bytes_share"] = round(share, 3)
-            if share >= DEAR_COPY:
-                summary += (f"; the copy reads {share:.2f} of the bytes a step reads, so a draft costs most of a plain "
-                            "step and drafting seldom pays (the copy is for a float32 target: --weights fp32)")  # fmt: skip
+            section["weights"], section["bytes_share"] = _quantise_copy(staging, built, opts, bits, "draft_gm.")
+            if section["bytes_share"] >= DEAR_COPY:
+                summary += (f"; the copy reads {section['bytes_share']:.2f} of the bytes a step reads, so a draft costs "
+                            "most of a plain step and drafting seldom pays (the copy is for a float32 target: "
+                            "--weights fp32)")  # fmt: skip
+        if opts.cascade is not None:
+            weights, share = _quantise_copy(staging, built, opts, SELF[opts.cascade], "cascade_gm.")
+            section["cascade"] = {"draft": opts.cascade, "drafter_steps": engine.drafter_steps, "weights": weights,
+                                  "bytes_share": share}  # fmt: skip
+            summary += (f" ({engine.drafter_steps} by {opts.draft}, checked and extended by {opts.cascade} in one "
+                        "run)")  # fmt: skip
         return finish_drafts(staging, engine, section, summary, opts, measure)
+
+
+def _quantise_copy(staging: Path, built: Built, opts: DraftOptions, bits: int,
+                   prefix: str) -> tuple[dict[str, Any], float]:  # fmt: skip
+    """Quantise the staged engine's copy of the target whose weights start with `prefix` (the
+    drafter's, or a cascade's mid model's) to `bits`, on the quads where the library runs them;
+    returns the manifest's description and the share of a target step's bytes a run of it reads."""
+    quads = (bits == 4 and opts.draft_block_size == 32 and built.meta.get("kernels") == "native"
+             and code_path() == "avx512-vnni")  # fmt: skip
+    copy = quantise_drafter(staging, bits, opts.draft_block_size, quads=quads, prefix=prefix)
+    streamed = copy["block_bytes"] - copy.get("quads_gather_bytes", 0)
+    share = streamed / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
+    return copy, round(share, 3)
 
 
 def step_bytes(weights: dict[str, Any], float32_bytes: int) -> int:
@@ -517,10 +601,11 @@ def step_bytes(weights: dict[str, Any], float32_bytes: int) -> int:
     return max(streamed_bytes(stored, weights) if stored else int(float32_bytes), 1)
 
 
-def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, default_vocab: int) -> Drafter:
+def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, default_vocab: int,
+                  reduce: bool = True) -> Drafter:  # fmt: skip
     """The draft model `source` (a LoadedModel) captured and rewritten with its own cache I/O
-    for a DraftStepEngine of the target `loaded`; its readout reduced to the draft vocabulary
-    that `cfg.opts` (`draft_vocab`, `draft_vocab_file`) and `default_vocab` choose."""
+    for a DraftStepEngine of the target `loaded`; with `reduce`, its readout reduced to the draft
+    vocabulary that `cfg.opts` (`draft_vocab`, `draft_vocab_file`) and `default_vocab` choose."""
     from specgraph.anatomy import analyze
     from specgraph.capture import capture
     from specgraph.compiler import passes_for
@@ -542,8 +627,10 @@ def model_drafter(source: Any, loaded: Any, anatomy: Any, cfg: Any, name: str, d
         shapes += [(site.num_kv_heads, site.head_dim, cfg.max_context),
                    (site.num_kv_heads, cfg.max_context, site.head_dim)]  # fmt: skip
     windows = {site.sliding_window for site in draft_anatomy.sites if site.sliding_window}
-    vocab = draft_vocab.choose(cfg.opts.draft_vocab, cfg.opts.draft_vocab_file, default_vocab,
-                               model_fingerprint(loaded), anatomy.vocab_size, loaded.name)  # fmt: skip
+    vocab = None
+    if reduce:
+        vocab = draft_vocab.choose(cfg.opts.draft_vocab, cfg.opts.draft_vocab_file, default_vocab,
+                                   model_fingerprint(loaded), anatomy.vocab_size, loaded.name)  # fmt: skip
     if vocab is not None:
         _reduce_readout(gm, draft_anatomy.lm_head, vocab[0])
     heads = [(site.num_heads, site.num_kv_heads, site.scale) for site in draft_anatomy.sites]
@@ -560,7 +647,7 @@ def build_draft_engine(gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter
     # but a drafter with the target's own layers (early exit's 1..E) follows --weights too: the
     # blocks a GGUF stores match those layers and the readout's rows by value, so the bundle holds
     # them as blocks (a copy of the target's), never as floats; the adapter's match nothing
-    skip = None if drafter.target_layers else "draft_gm."
+    skip = None if drafter.target_layers else ("draft_gm.", "cascade_gm.")
     return Built(engine, {"weights_skip": skip, "trained": drafter.trained})
 
 
@@ -786,6 +873,8 @@ def _gate(staging: Path, engine: ModelDrafts) -> tuple[int, int]:
 
     state = [o for o in engine.draft_outputs if not o.startswith(ADAPT_STATE) and o != "n_draft"]
     passthrough = {o: o.replace("present", "past").removesuffix("_out") for o in state}
+    if "n_sent" in passthrough:  # a cascade's count: 0 in a call that skips the drafters, as n_draft is there
+        passthrough["n_sent"] = "n_draft"
     shared = kv_names("draft_present", engine.target_layers)
     fill = dict(zip(shared, kv_names("present", engine.target_layers), strict=True))
     return gate_drafter(staging / "model.onnx", ["next_tokens", *state], passthrough, count="n_draft",
@@ -793,7 +882,7 @@ def _gate(staging: Path, engine: ModelDrafts) -> tuple[int, int]:
 
 
 def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = False,
-                     quads: bool = False) -> dict[str, Any]:  # fmt: skip
+                     quads: bool = False, prefix: str = "draft_gm.") -> dict[str, Any]:  # fmt: skip
     """Run the staged engine's drafter matrices (`draft_gm.*`) as `bits`-bit blocks with int8
     activations (`exporters/nbits.py`, accuracy level 4): a drafter only proposes, so its
     arithmetic costs acceptance, never exactness. With `native` (a bundle that runs specgraph's
@@ -811,12 +900,12 @@ def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = F
     native = native or quads
     own = lambda name, w: (  # noqa: E731
         [blocks.quantize(w, bits, block_size, half_scales=quads)]
-        if name.startswith("draft_gm.") and w.shape[1] % block_size == 0
+        if name.startswith(prefix) and w.shape[1] % block_size == 0
         else None
     )
     path = staging / "model.onnx"
     level = 1 if native and not quads else 4
-    report = run_weights_as_blocks(path, own, accuracy_level=level, tables="draft_gm.", native=native,
+    report = run_weights_as_blocks(path, own, accuracy_level=level, tables=prefix, native=native,
                                    wide=native, quads=quads)  # fmt: skip
     section = {"weights": f"int{bits}", "activations": "float32" if level == 1 else "int8", "block_size": block_size,
                "kernels": "native" if native else "ort", "matmuls": report.matmuls,

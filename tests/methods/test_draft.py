@@ -107,6 +107,33 @@ def test_greedy_only_bundle_carries_no_proposals(tiny_folder, tmp_path, other_ll
     assert_same_greedy(model, PROMPTS[0], result.output_ids, hf_greedy(model, PROMPTS[0], 32))
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_cascade_equals_hf_greedy_and_sends_what_the_mid_model_agrees_with(adaptive, tiny_folder, tmp_path):
+    """`--cascade self:int8`: the int4 copy makes K - 1 = 3 drafts, the int8 copy checks them in
+    one run and sends the prefix it agrees with plus its own next token (`n_sent`, which trims
+    next_tokens), up to K = 4. The output stays the target's. Adaptive with threshold 0 (every
+    row drafts), the gated drafters' count passes through the `If` (0 in a call that skips them)."""
+    out = tmp_path / "cascade"
+    options = {"adaptive": True, "adaptive_threshold": 0.0} if adaptive else {"adaptive": False}
+    compile_model(CompileConfig.of(tiny_folder("llama"), out, "draft", max_context=160, draft="self:int4",
+                                   cascade="self:int8", num_draft=4, **options))  # fmt: skip
+    engine = Engine(out)
+    section = engine.manifest["draft"]
+    assert section["num_draft"] == 4 and section["cascade"]["drafter_steps"] == 3
+    assert section["weights"]["weights"] == "int4" and section["cascade"]["weights"]["weights"] == "int8"
+    # each copy's products read its own blocks: the two hold the target's bytes, never one shared weight
+    assert section["cascade"]["weights"]["float32_bytes"] == section["weights"]["float32_bytes"] > 0
+    assert engine.manifest["graph"]["trims"] == {"next_tokens": "n_sent"}
+    model = build("llama")
+    sent = []
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+        sent += result.accepted_per_step[1:]
+    assert max(sent) == 5  # the mid model's token after three agreed drafts, accepted with them and the bonus
+    assert sum(sent) / len(sent) > 1.5
+
+
 def test_batch_rows_accept_different_counts(bundles):
     engine = Engine(bundles("self:int4"))
     rows = [PROMPTS[0][:7], PROMPTS[1]]
@@ -303,6 +330,11 @@ def test_a_missing_draft_is_one_line(tiny_folder, tmp_path):
         ({"num_draft": 0}, "--num-draft must be between 1 and 16"),
         ({"draft_block_size": 48}, "--draft-block-size"),
         ({"tree": "default"}, "--method draft has no option 'tree'"),
+        ({"cascade": "self:int4"}, "a cascade is two of the target's own copies"),
+        ({"cascade": "self:int8", "draft": "self:int8"}, "a cascade is two of the target's own copies"),
+        ({"cascade": "self:int8", "num_draft": 1}, "--cascade needs --num-draft 2 or more"),
+        ({"cascade": "self:int8", "num_draft": "auto"}, "--cascade takes a fixed --num-draft"),
+        ({"cascade": "self:int8", "draft_confidence": 0.5}, "--cascade takes a fixed --num-draft"),
     ],
 )
 def test_bad_options_are_refused(tiny_folder, tmp_path, options, message):
