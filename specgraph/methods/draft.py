@@ -585,9 +585,13 @@ def _quantise_copy(staging: Path, built: Built, opts: DraftOptions, bits: int,
     """Quantise the staged engine's copy of the target whose weights start with `prefix` (the
     drafter's, or a cascade's mid model's) to `bits`, on the quads where the library runs them;
     returns the manifest's description and the share of a target step's bytes a run of it reads."""
-    quads = (bits == 4 and opts.draft_block_size == 32 and built.meta.get("kernels") == "native"
-             and code_path() == "avx512-vnni")  # fmt: skip
-    copy = quantise_drafter(staging, bits, opts.draft_block_size, quads=quads, prefix=prefix)
+    native = built.meta.get("kernels") == "native"
+    quads = bits == 4 and opts.draft_block_size == 32 and native and code_path() == "avx512-vnni"
+    # a cascade's mid model runs K tokens at once: on the library's products at int8 activations
+    # a K = 5 round cost 2.97 plain fp32 steps on a Xeon, 3.08 at float32 activations (wide lanes)
+    # and 3.47 on ONNX Runtime's 8-bit product (docs/benchmarks.md, cascade)
+    wide = native and prefix == "cascade_gm."
+    copy = quantise_drafter(staging, bits, opts.draft_block_size, native=wide, quads=quads, prefix=prefix, int8=wide)
     streamed = copy["block_bytes"] - copy.get("quads_gather_bytes", 0)
     share = streamed / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
     return copy, round(share, 3)
@@ -882,7 +886,7 @@ def _gate(staging: Path, engine: ModelDrafts) -> tuple[int, int]:
 
 
 def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = False,
-                     quads: bool = False, prefix: str = "draft_gm.") -> dict[str, Any]:  # fmt: skip
+                     quads: bool = False, prefix: str = "draft_gm.", int8: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run the staged engine's drafter matrices (`draft_gm.*`) as `bits`-bit blocks with int8
     activations (`exporters/nbits.py`, accuracy level 4): a drafter only proposes, so its
     arithmetic costs acceptance, never exactness. With `native` (a bundle that runs specgraph's
@@ -892,7 +896,9 @@ def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = F
     EAGLE). With `quads` (4-bit codes, where the library runs VNNI's loop) they are native
     products at int8 activations with their codes in quads and float16 scales (block_matmul.h):
     a draft run 1.5-1.7x cheaper than ONNX Runtime's on a Xeon (docs/benchmarks.md, draft models).
-    Returns the manifest's description."""
+    With `native` and `int8` (8-bit codes) they are native products at int8 activations with their
+    codes in pairs of 4-bit digits, the loop the stored Q8_0 LM head runs. `prefix`: the copy's
+    weights (`draft_gm.`, or a cascade's mid model's `cascade_gm.`). Returns the manifest's description."""
     from specgraph import blocks
     from specgraph.exporters.native_fusion import fuse_into_block_matmuls
     from specgraph.exporters.nbits import run_weights_as_blocks
@@ -904,9 +910,9 @@ def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = F
         else None
     )
     path = staging / "model.onnx"
-    level = 1 if native and not quads else 4
+    level = 1 if native and not quads and not int8 else 4
     report = run_weights_as_blocks(path, own, accuracy_level=level, tables=prefix, native=native,
-                                   wide=native, quads=quads)  # fmt: skip
+                                   wide=native and not int8, quads=quads)  # fmt: skip
     section = {"weights": f"int{bits}", "activations": "float32" if level == 1 else "int8", "block_size": block_size,
                "kernels": "native" if native else "ort", "matmuls": report.matmuls,
                "float32_bytes": report.float_bytes, "block_bytes": report.stored_bytes}  # fmt: skip
