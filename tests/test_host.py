@@ -108,13 +108,18 @@ def bundles(tiny_bundle, tiny_folder, tmp_path_factory) -> dict[str, Path]:
     self_adaptive = tmp / "self_adaptive"
     specgraph.compile(tiny_folder("llama"), self_adaptive, method="draft", max_context=160, num_draft=3,
                       draft="self:int4", adaptive=True, adaptive_threshold=3.0)  # fmt: skip
+    # a cascade, gated with every row drafting: the host trims next_tokens by the mid model's n_sent,
+    # which the gate's idle branch passes as n_draft's zeros
+    cascade = tmp / "cascade"
+    specgraph.compile(tiny_folder("llama"), cascade, method="draft", max_context=160, num_draft=3, draft="self:int4",
+                      cascade="self:int8", adaptive=True, adaptive_threshold=0.0)  # fmt: skip
     # lookup on ONNX Runtime's own kernels: a graph that a session without specgraph's library loads
     # (the others run their fused attention natively where the library is built)
     lookup_ort = tmp / "lookup_ort"
     specgraph.compile(tiny_folder("llama"), lookup_ort, method="lookup", max_context=160, num_draft=5, kernels="ort")
     return {"none": tiny_bundle("llama", "none"), "lookup": tiny_bundle("llama", "lookup"), "medusa": medusa,
             "medusa-tree": tree, "draft": draft, "eagle": eagle, "lookup-ort": lookup_ort,
-            "draft-self-adaptive": self_adaptive}  # fmt: skip
+            "draft-self-adaptive": self_adaptive, "draft-cascade": cascade}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -197,7 +202,9 @@ def test_every_ort_slot_does_what_its_index_promises(host, ort_lib, bundles, met
 # --- the same tokens as the Python host ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["none", "lookup", "medusa", "medusa-tree", "draft", "eagle", "draft-self-adaptive"])
+@pytest.mark.parametrize(
+    "method", ["none", "lookup", "medusa", "medusa-tree", "draft", "eagle", "draft-self-adaptive", "draft-cascade"]
+)
 def test_same_tokens_as_python(host, ort_lib, bundles, engines, method):
     """Greedy and seeded sampling (T 0.7 with top-p 0.9, with and without top-k; top-k alone)."""
     for prompt in PROMPTS:

@@ -532,7 +532,9 @@ class DraftMethod(Method):
             "--cascade", metavar="self:int8",
             help="draft: a cascade. The --draft copy makes K - 1 drafts, the target's other own copy "
             "(e.g. --draft self:int4 --cascade self:int8) checks them in one run and sends the target the prefix it "
-            "agrees with plus its own next token, at most K; the drafts are argmaxes, point masses when sampling",
+            "agrees with plus its own next token, at most K; the drafts are argmaxes, point masses when sampling. On a "
+            "2-core Xeon at fp32 it ran 1.03-1.07x the plain draft on chat and creative text, 0.94-0.97x on code "
+            "(docs/benchmarks.md)",
         )  # fmt: skip
         add_drafting_flags(group)
 
