@@ -710,7 +710,26 @@ def round_split(engine: Engine, ref: Engine, cache_len: int = 128, rounds: int =
     round_s, verify_s = statistics.median(mine), statistics.median(verify)
     return {"draft_depth": engine.draft_depth, "call_tokens": width, "cache_len": cache_len,
             "round_ms": round(round_s * 1e3, 3), "verify_ms": round(verify_s * 1e3, 3),
-            "drafting_share": round(max(0.0, 1 - verify_s / round_s), 4)}  # fmt: skip
+            "drafting_share": round(max(0.0, 1 - verify_s / round_s), 4),
+            "drafted_by": drafted_by(engine.manifest)}  # fmt: skip
+
+
+def drafted_by(manifest: dict[str, Any]) -> str | None:
+    """How the bundle's K came about and who drafts, from its method's manifest section: K
+    chosen by `--num-draft auto` (and the speed-up it predicted), a cascade's two copies; None
+    when the section says neither."""
+    section = manifest.get(manifest.get("method", ""), {})
+    if not isinstance(section, dict):
+        return None
+    notes = []
+    if isinstance(section.get("auto"), dict):
+        auto = section["auto"]
+        notes.append(f"K = {auto['chosen']} chosen by --num-draft auto ({auto['predicted_speedup']:.2f}x predicted)")
+    if isinstance(section.get("cascade"), dict):
+        cascade = section["cascade"]
+        notes.append(f"a cascade: {cascade['drafter_steps']} drafts by {section.get('draft')}, checked and "
+                     f"extended by {cascade['draft']}")  # fmt: skip
+    return "; ".join(notes) or None
 
 
 def _rounded(section: dict[str, Any]) -> dict[str, Any]:
@@ -779,7 +798,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(
             f"round: up to {r['draft_depth']} draft{'s' if r['draft_depth'] != 1 else ''}, a {r['call_tokens']}-token call {r['round_ms']:.1f} ms; the reference "
             f"verifies {r['call_tokens']} tokens in {r['verify_ms']:.1f} ms, so drafting is {r['drafting_share']:.0%} of the "
-            f"round (context {r['cache_len']})"
+            f"round (context {r['cache_len']})" + (f"; {r['drafted_by']}" if r.get("drafted_by") else "")
         )
     return "\n".join(lines)
 

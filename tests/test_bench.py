@@ -220,6 +220,18 @@ def test_run_bench_lookup_against_reference_is_lossless(tiny_bundle, ids_file):
     assert split["call_tokens"] == split["draft_depth"] + 1 > 2  # the whole chain: the bonus and K drafts
     assert split["round_ms"] > 0 and split["verify_ms"] > 0 and 0 <= split["drafting_share"] < 1
     assert "drafting is" in format_report(result)
+    assert split["drafted_by"] is None  # lookup: no K chosen by auto, no cascade
+
+
+def test_the_round_line_says_how_k_was_chosen_and_who_drafts():
+    auto = {"method": "draft", "draft": {"draft": "self:int4", "auto": {"chosen": 4, "predicted_speedup": 1.671}}}
+    assert bench.drafted_by(auto) == "K = 4 chosen by --num-draft auto (1.67x predicted)"
+    cascade = {
+        "method": "draft",
+        "draft": {"draft": "self:int4", "cascade": {"draft": "self:int8", "drafter_steps": 3}},
+    }
+    assert bench.drafted_by(cascade) == "a cascade: 3 drafts by self:int4, checked and extended by self:int8"
+    assert bench.drafted_by({"method": "none"}) is None
 
 
 def test_run_bench_samples_with_the_same_seeds_in_both_engines(tiny_bundle, ids_file):
