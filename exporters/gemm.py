@@ -45,8 +45,7 @@ def matmul_to_gemm(path: Path, leading_input: str = "tokens",
     seen: dict[tuple, str] = {}  # type: ignore[type-arg]  # a module run several times: one weight, not one per run
     for node in graph.node:
         weight = _weight_out_in(node, inits, producers, uses) if node.op_type == "MatMul" else None
-        traced = _traced_from(node)
-        owner = next((name for param, name in drafters if param in traced), "")  # "": the target's
+        owner = _owner(node, drafters) if weight is not None else ""
         if weight is not None and owner and not weight.startswith(owner):
             weight = _rename(graph, inits, weight, owner + weight)
         if weight is not None:
@@ -80,6 +79,12 @@ def _shared(inits: dict, name: str, owner: str, seen: dict) -> str:  # type: ign
     t = inits[name]
     key = (owner, hashlib.blake2b(numpy_helper.to_array(t).tobytes(), digest_size=16).digest(), tuple(t.dims))
     return seen.setdefault(key, name)
+
+
+def _owner(node: onnx.NodeProto, drafters: tuple[tuple[str, str], ...]) -> str:
+    """The name prefix of the drafter whose parameter `node` was traced from; "" for the target."""
+    traced = _traced_from(node)
+    return next((name for param, name in drafters if param in traced), "")
 
 
 def _traced_from(node: onnx.NodeProto) -> str:

@@ -193,6 +193,12 @@ def _chain_targets(tokens, logits, n_fixed, params, u, q=None):  # type: ignore[
     return torch.cat([before, x], dim=1)  # [B, T]
 
 
+def leading_run(ok: torch.Tensor) -> torch.Tensor:
+    """How many leading entries along the last dimension of the bool `ok` are true (int64, one
+    dimension fewer): the length of a chain's prefix whose every check passed."""
+    return (torch.cumsum((~ok).to(_I64), dim=-1) == 0).to(_I64).sum(dim=-1)
+
+
 def accept_chain(tokens: torch.Tensor, pred: torch.Tensor, n_fixed: torch.Tensor):  # type: ignore[no-untyped-def]
     """Verification of a chain: keep the longest draft prefix equal to the target's own tokens.
 
@@ -204,8 +210,7 @@ def accept_chain(tokens: torch.Tensor, pred: torch.Tensor, n_fixed: torch.Tensor
     b, t = tokens.shape
     later = torch.arange(1, t, dtype=_I64)[None, :]  # index of the token being checked
     ok = (later < n_fixed[:, None]) | (pred[:, :-1] == tokens[:, 1:])  # [B, T-1]
-    run = (torch.cumsum((~ok).to(_I64), dim=-1) == 0).to(_I64)  # 1 while every check so far passed
-    kept = run.sum(dim=-1)  # [B] tokens after the first that are committed
+    kept = leading_run(ok)  # [B] tokens after the first that are committed
     bonus = pred.gather(1, kept[:, None])  # [B, 1] the target's own next token
     shifted = torch.cat([tokens[:, 1:], bonus], dim=1)  # [B, T]: tokens[t+1], bonus last
     idx = torch.arange(t, dtype=_I64)[None, :]

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from specgraph import sampling
-from specgraph.step import accept_chain, attn_span, dims, kv_names
+from specgraph.step import accept_chain, attn_span, dims, kv_names, leading_run
 
 _I64 = torch.int64
 
@@ -196,7 +196,7 @@ class TreeStepEngine(torch.nn.Module):
             correct = correct | _typical(logits, parent, tokens, *self.typical)
         valid = tree_retrieve >= 0  # [L, P+1]
         ok = correct[:, tree_retrieve.clamp(0, t - 1)] & valid[None]  # [B, L, P+1]
-        length = (torch.cumsum((~ok).to(_I64), dim=-1) == 0).to(_I64).sum(-1) - 1  # [B, L] accepted nodes
+        length = leading_run(ok) - 1  # [B, L] accepted nodes
         best = length.argmax(dim=-1)  # [B] first longest branch
         n_acc = length.max(dim=-1).values  # [B]
         branch = tree_retrieve[best]  # [B, P+1] node ids, root first

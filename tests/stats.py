@@ -28,8 +28,7 @@ def v8_config(folder: Path, root: Path, method: str) -> CompileConfig:
     heads (so candidates disagree with the target) with TREE, 3 drafts sampled from another
     8-token model (DRAFT_SEED: its q is far from the target's p, total variation 0.4 for the first
     token at temperature 1), a cascade's 3 argmax drafts (`draft-cascade`), or 3 drafts sampled
-    from an untrained EAGLE drafter; writes the
-    heads, tree, draft model and drafter once."""
+    from an untrained EAGLE drafter; writes the heads, tree, draft model and drafter once."""
     heads, tree, draft = root / "heads.safetensors", root / "tree.json", root / "draft-v8"
     if not draft.exists():
         save("llama-v8", draft, seed=DRAFT_SEED)

@@ -52,7 +52,7 @@ from specgraph import draft_vocab, sampling
 from specgraph.errors import InputError
 from specgraph.kernels import code_path
 from specgraph.methods.base import NUM_DRAFT_HELP, Built, Finished, Measure, Method, Options, count_or_auto
-from specgraph.step import StepEngine, attn_span, chain_masks, kv_names
+from specgraph.step import StepEngine, attn_span, chain_masks, kv_names, leading_run
 from specgraph.weights import check_blocks_fit, streamed_bytes
 
 _I64 = torch.int64
@@ -500,8 +500,7 @@ class DraftStepEngine(ModelDrafts):
         logits, _ = self._run(seq, positions, at, kv, self.cascade_gm)  # [B, K, V]
         checked = logits.argmax(dim=-1)  # [B, K]
         agree = seq[:, 1:] == checked[:, :-1]  # [B, K - 1]: draft i equals the mid model's token there
-        kept = (torch.cumsum((~agree).to(_I64), dim=1) == 0).to(_I64).sum(dim=1)  # [B] j
-        return checked, kept + 1
+        return checked, leading_run(agree) + 1  # [B] j + 1
 
     def _run(self, tokens, positions, write_at, kv, gm=None):  # type: ignore[no-untyped-def]
         """One draft forward of tokens [B, W] at positions [B, W] (consecutive from write_at [B])
@@ -574,7 +573,7 @@ class DraftMethod(Method):
                             "most of a plain step and drafting seldom pays (the copy is for a float32 target: "
                             "--weights fp32)")  # fmt: skip
         if opts.cascade is not None:
-            weights, share = _quantise_copy(staging, built, opts, SELF[opts.cascade], "cascade_gm.")
+            weights, share = _quantise_copy(staging, built, opts, SELF[opts.cascade], "cascade_gm.", mid=True)
             section["cascade"] = {"draft": opts.cascade, "drafter_steps": engine.drafter_steps, "weights": weights,
                                   "bytes_share": share}  # fmt: skip
             summary += (f" ({engine.drafter_steps} by {opts.draft}, checked and extended by {opts.cascade} in one "
@@ -582,18 +581,19 @@ class DraftMethod(Method):
         return finish_drafts(staging, engine, section, summary, opts, measure)
 
 
-def _quantise_copy(staging: Path, built: Built, opts: DraftOptions, bits: int,
-                   prefix: str) -> tuple[dict[str, Any], float]:  # fmt: skip
+def _quantise_copy(staging: Path, built: Built, opts: DraftOptions, bits: int, prefix: str,
+                   mid: bool = False) -> tuple[dict[str, Any], float]:  # fmt: skip
     """Quantise the staged engine's copy of the target whose weights start with `prefix` (the
-    drafter's, or a cascade's mid model's) to `bits`, on the quads where the library runs them;
-    returns the manifest's description and the share of a target step's bytes a run of it reads."""
+    drafter's, or with `mid` a cascade's mid model's) to `bits`, on the quads where the library
+    runs them; returns the manifest's description and the share of a target step's bytes a run of
+    it reads."""
     native = built.meta.get("kernels") == "native"
     quads = bits == 4 and opts.draft_block_size == 32 and native and code_path() == "avx512-vnni"
     # a cascade's mid model runs K tokens at once: on the library's products at int8 activations
     # a K = 5 round cost 2.97 plain fp32 steps on a Xeon, 3.08 at float32 activations (wide lanes)
     # and 3.47 on ONNX Runtime's 8-bit product (docs/benchmarks.md, cascade)
-    wide = native and prefix == "cascade_gm."
-    copy = quantise_drafter(staging, bits, opts.draft_block_size, native=wide, quads=quads, prefix=prefix, int8=wide)
+    rows = native and mid
+    copy = quantise_drafter(staging, bits, opts.draft_block_size, native=rows, quads=quads, prefix=prefix, int8=rows)
     streamed = copy["block_bytes"] - copy.get("quads_gather_bytes", 0)
     share = streamed / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
     return copy, round(share, 3)
