@@ -41,6 +41,7 @@ import argparse
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -567,13 +568,13 @@ class DraftMethod(Method):
         bits = SELF.get(opts.draft)
         summary = f"draft {opts.draft}, {per_round(engine.num_draft)}"
         if bits is not None:
-            section["weights"], section["bytes_share"] = _quantise_copy(staging, built, opts, bits, "draft_gm.")
+            section["weights"], section["bytes_share"] = _quantise_copy(staging, cfg, built, opts, bits, "draft_gm.")
             if section["bytes_share"] >= DEAR_COPY:
                 summary += (f"; the copy reads {section['bytes_share']:.2f} of the bytes a step reads, so a draft costs "
                             "most of a plain step and drafting seldom pays (the copy is for a float32 target: "
                             "--weights fp32)")  # fmt: skip
         if opts.cascade is not None:
-            weights, share = _quantise_copy(staging, built, opts, SELF[opts.cascade], "cascade_gm.", mid=True)
+            weights, share = _quantise_copy(staging, cfg, built, opts, SELF[opts.cascade], "cascade_gm.", mid=True)
             section["cascade"] = {"draft": opts.cascade, "drafter_steps": engine.drafter_steps, "weights": weights,
                                   "bytes_share": share}  # fmt: skip
             summary += (f" ({engine.drafter_steps} by {opts.draft}, checked and extended by {opts.cascade} in one "
@@ -581,22 +582,45 @@ class DraftMethod(Method):
         return finish_drafts(staging, engine, section, summary, opts, measure)
 
 
-def _quantise_copy(staging: Path, built: Built, opts: DraftOptions, bits: int, prefix: str,
+def _quantise_copy(staging: Path, cfg: Any, built: Built, opts: DraftOptions, bits: int, prefix: str,
                    mid: bool = False) -> tuple[dict[str, Any], float]:  # fmt: skip
     """Quantise the staged engine's copy of the target whose weights start with `prefix` (the
     drafter's, or with `mid` a cascade's mid model's) to `bits`, on the quads where the library
     runs them; returns the manifest's description and the share of a target step's bytes a run of
-    it reads."""
+    it reads. A matrix the model file stores in `bits`-bit blocks (a GGUF's Q4_1, Q8_0, ...) keeps
+    those blocks (`stored_blocks`)."""
     native = built.meta.get("kernels") == "native"
     quads = bits == 4 and opts.draft_block_size == 32 and native and code_path() == "avx512-vnni"
     # a cascade's mid model runs K tokens at once: on the library's products at int8 activations
     # a K = 5 round cost 2.97 plain fp32 steps on a Xeon, 3.08 at float32 activations (wide lanes)
     # and 3.47 on ONNX Runtime's 8-bit product (docs/benchmarks.md, cascade)
     rows = native and mid
-    copy = quantise_drafter(staging, bits, opts.draft_block_size, native=rows, quads=quads, prefix=prefix, int8=rows)
+    copy = quantise_drafter(staging, bits, opts.draft_block_size, native=rows, quads=quads, prefix=prefix, int8=rows,
+                            stored=stored_blocks(cfg.model, bits, opts.draft_block_size))  # fmt: skip
     streamed = copy["block_bytes"] - copy.get("quads_gather_bytes", 0)
     share = streamed / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
     return copy, round(share, 3)
+
+
+def stored_blocks(model: str, bits: int, block_size: int) -> Callable[[np.ndarray], list[Any] | None]:
+    """`W`'s own blocks where the model file stores it as `bits`-bit blocks of `block_size` (a
+    GGUF's; the target's float32 weights are then those blocks dequantised), else None. A copy of
+    the target that requantised such a weight would round already rounded values onto another
+    grid: on the default Q4_1 model that cost the int4 copy about a tenth of its acceptance at
+    each depth (docs/benchmarks.md, draft models)."""
+    from specgraph import blocks
+    from specgraph.weights import gguf_file
+
+    gguf = gguf_file(model)
+    if gguf is None or not any(blocks.GGUF_FORMATS.get(f, (0,))[0] == bits for f in blocks.gguf_formats(str(gguf))):
+        return lambda _w: None
+    index = blocks.gguf_index(str(gguf))
+
+    def own(w: np.ndarray) -> list[Any] | None:
+        runs = index.match(w)
+        return runs if runs and all(r.bits == bits and r.block == block_size for r in runs) else None
+
+    return own
 
 
 def step_bytes(weights: dict[str, Any], float32_bytes: int) -> int:
@@ -887,8 +911,9 @@ def _gate(staging: Path, engine: ModelDrafts) -> tuple[int, int]:
                         tokens="next_tokens", fill=fill)  # fmt: skip
 
 
-def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = False,
-                     quads: bool = False, prefix: str = "draft_gm.", int8: bool = False) -> dict[str, Any]:  # fmt: skip
+def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = False, quads: bool = False,
+                     prefix: str = "draft_gm.", int8: bool = False,
+                     stored: Callable[[np.ndarray], list[Any] | None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Run the staged engine's drafter matrices (`draft_gm.*`) as `bits`-bit blocks with int8
     activations (`exporters/nbits.py`, accuracy level 4): a drafter only proposes, so its
     arithmetic costs acceptance, never exactness. With `native` (a bundle that runs specgraph's
@@ -900,24 +925,31 @@ def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = F
     a draft run 1.5-1.7x cheaper than ONNX Runtime's on a Xeon (docs/benchmarks.md, draft models).
     With `native` and `int8` (8-bit codes) they are native products at int8 activations with their
     codes in pairs of 4-bit digits, the loop the stored Q8_0 LM head runs. `prefix`: the copy's
-    weights (`draft_gm.`, or a cascade's mid model's `cascade_gm.`). Returns the manifest's description."""
+    weights (`draft_gm.`, or a cascade's mid model's `cascade_gm.`). `stored(W)`: W's own blocks
+    where the model file has them (`stored_blocks`), taken instead of quantising W. Returns the
+    manifest's description."""
     from specgraph import blocks
     from specgraph.exporters.native_fusion import fuse_into_block_matmuls
     from specgraph.exporters.nbits import run_weights_as_blocks
 
     native = native or quads
-    own = lambda name, w: (  # noqa: E731
-        [blocks.quantize(w, bits, block_size, half_scales=quads)]
-        if name.startswith(prefix) and w.shape[1] % block_size == 0
-        else None
-    )
+    kept = [0]  # matrices that keep their stored blocks
+
+    def own(name: str, w: np.ndarray) -> list[Any] | None:
+        if not name.startswith(prefix) or w.shape[1] % block_size:
+            return None
+        runs = stored(w) if stored is not None else None
+        kept[0] += runs is not None
+        return runs or [blocks.quantize(w, bits, block_size, half_scales=quads)]
+
     path = staging / "model.onnx"
     level = 1 if native and not quads and not int8 else 4
     report = run_weights_as_blocks(path, own, accuracy_level=level, tables=prefix, native=native,
                                    wide=native and not int8, quads=quads)  # fmt: skip
     section = {"weights": f"int{bits}", "activations": "float32" if level == 1 else "int8", "block_size": block_size,
                "kernels": "native" if native else "ort", "matmuls": report.matmuls,
-               "float32_bytes": report.float_bytes, "block_bytes": report.stored_bytes}  # fmt: skip
+               "float32_bytes": report.float_bytes, "block_bytes": report.stored_bytes,
+               "stored_blocks": kept[0]}  # fmt: skip
     if quads:  # the tied LM head keeps its pairs for the embedding's Gather: a run streams one of the two
         section.update(quads=report.quads, quads_gather_bytes=report.quads_gather_bytes)
     if native:

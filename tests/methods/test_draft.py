@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from specgraph.compiler import CompileConfig, compile_model
+from specgraph.default_model import read_gguf
 from specgraph.errors import InputError
 from specgraph.methods.draft import DEAR_COPY, choose_draft_count
 from specgraph.runtime import Engine
@@ -580,3 +582,47 @@ def test_a_row_whose_drafts_pay_on_average_drafts_through_runs_of_rejections():
 def test_bad_draft_counts_are_refused(tiny_folder, tmp_path, method, options, message):
     with pytest.raises(InputError, match=message):
         CompileConfig.of(tiny_folder("llama"), tmp_path / "b", method, **options).check()
+
+
+def test_the_copy_keeps_the_blocks_the_model_file_stores(tmp_path):
+    """A GGUF's float32 weights are its blocks dequantised: the int4 copy of a Q4_1 matrix is
+    those Q4_1 blocks (not a requantisation onto another grid), a Q8_0 table is requantised to int4,
+    and an 8-bit copy keeps the Q8_0 table; a float model has nothing stored."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from specgraph.gguf_table import tensor_table
+    from specgraph.methods.draft import stored_blocks
+    from tests.models.tiny_gguf import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / "q41.gguf", "Q4_1", "Q8_0")
+    tables = {t.name: t for t in tensor_table(path)}
+    stored = {}
+    for name in ("blk.0.ffn_down.weight", "token_embd.weight"):
+        t = tables[name]
+        cols, rows = t.shape
+        stored[name] = (t.data, dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(rows, cols))
+    int4, int8 = stored_blocks(str(path), 4, 32), stored_blocks(str(path), 8, 32)
+    data, down = stored["blk.0.ffn_down.weight"]
+    runs = int4(down)
+    assert runs is not None and [r.format for r in runs] == ["Q4_1"]
+    assert np.array_equal(np.concatenate([r.dequantize() for r in runs]), down)
+    assert int8(down) is None and stored_blocks(str(path), 4, 64)(down) is None
+    table = stored["token_embd.weight"][1]
+    assert int4(table) is None and [r.format for r in int8(table)] == ["Q8_0"]
+    assert int4(down + 1e-3) is None  # values no stored row has
+
+    out = tmp_path / "b"
+    compile_model(CompileConfig.of(str(path), out, "draft", max_context=160, weights="fp32", draft="self:int4",
+                                   num_draft=3, adaptive=False))  # fmt: skip
+    engine = Engine(out)
+    copy = engine.manifest["draft"]["weights"]
+    assert copy["stored_blocks"] == 8  # 2 layers: Q/K/V, output, gate/up and down, each kept; the table requantised
+    model, _tok = read_gguf(path)
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+        assert_same_greedy(model, prompt, result.output_ids, hf_greedy(model, prompt, NEW_TOKENS))
+
+
+def test_a_float_model_has_no_stored_blocks_to_keep(bundles):
+    assert Engine(bundles("self:int4")).manifest["draft"]["weights"]["stored_blocks"] == 0
