@@ -584,7 +584,8 @@ def test_bad_draft_counts_are_refused(tiny_folder, tmp_path, method, options, me
         CompileConfig.of(tiny_folder("llama"), tmp_path / "b", method, **options).check()
 
 
-def test_the_copy_keeps_the_blocks_the_model_file_stores(tmp_path):
+@pytest.mark.parametrize("kernels", ["auto", "ort"])
+def test_the_copy_keeps_the_blocks_the_model_file_stores(kernels, tmp_path):
     """A GGUF's float32 weights are its blocks dequantised: the int4 copy of a Q4_1 matrix is
     those Q4_1 blocks (not a requantisation onto another grid), a Q8_0 table is requantised to int4,
     and an 8-bit copy keeps the Q8_0 table; a float model has nothing stored."""
@@ -614,9 +615,10 @@ def test_the_copy_keeps_the_blocks_the_model_file_stores(tmp_path):
 
     out = tmp_path / "b"
     compile_model(CompileConfig.of(str(path), out, "draft", max_context=160, weights="fp32", draft="self:int4",
-                                   num_draft=3, adaptive=False))  # fmt: skip
+                                   num_draft=3, adaptive=False, kernels=kernels))  # fmt: skip
     engine = Engine(out)
     copy = engine.manifest["draft"]["weights"]
+    assert kernels != "ort" or copy["kernels"] == "ort"  # ONNX Runtime's MatMulNBits takes Q4_1's offsets too
     assert copy["stored_blocks"] == 8  # 2 layers: Q/K/V, output, gate/up and down, each kept; the table requantised
     model, _tok = read_gguf(path)
     for prompt in PROMPTS:
