@@ -7,6 +7,7 @@ Python that has `onnxruntime-genai` (its model builder converts a local HF folde
     /tmp/og/bin/python -m onnxruntime_genai.models.builder -i ~/.cache/specgraph/SmolLM2-135M-Instruct \\
         -o /tmp/og_fp32 -p fp32 -e cpu
     /tmp/og/bin/python scripts/compare_ort_genai.py /tmp/og_fp32 out/smollm2-none --prompts humaneval --limit 6
+    /tmp/og/bin/python scripts/compare_ort_genai.py /tmp/og_fp32 out/fp-none out/fp-draft --prompts humaneval,chat --limit 8
 """
 
 from __future__ import annotations
@@ -41,31 +42,37 @@ def genai_tokens_per_s(model: og.Model, ids: list[int], new_tokens: int) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("genai_dir")
-    parser.add_argument("bundle")
+    parser.add_argument("bundles", nargs="+", help="specgraph bundles, each run beside ORT GenAI prompt by prompt")
     parser.add_argument("--prompts", default="humaneval")
     parser.add_argument("--limit", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    engine = Engine(args.bundle, threads=args.threads)
+    engines = [Engine(b, threads=args.threads) for b in args.bundles]
     config = og.Config(args.genai_dir)
     config.clear_providers()
     model = og.Model(config)
-    prompts = [encode_prompt(engine.tokenizer, p) for p in read_prompts(args.prompts, args.limit)]
-    ours, theirs, same = [], [], 0
+    prompts = [encode_prompt(engines[0].tokenizer, p) for p in read_prompts(args.prompts, args.limit)]
+    theirs: list[float] = []
+    ours: list[list[float]] = [[] for _ in engines]
+    same = [0 for _ in engines]
     genai_tokens_per_s(model, prompts[0], 8)  # warm-up
-    engine.generate(prompts[0], max_new_tokens=8, stop_at_eos=False)
-    for ids in prompts:  # interleaved, so both see the same machine state
+    for engine in engines:
+        engine.generate(prompts[0], max_new_tokens=8, stop_at_eos=False)
+    for ids in prompts:  # interleaved, so every engine sees the same machine state
         rate, out = genai_tokens_per_s(model, ids, args.max_new_tokens)
         theirs.append(rate)
-        result = engine.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
-        ours.append(result.tokens_per_s)
-        same += out == result.output_ids
-    print(f"ORT GenAI fp32: median {statistics.median(theirs):.1f} tok/s")
-    print(
-        f"specgraph none: median {statistics.median(ours):.1f} tok/s  (ratio {statistics.median(ours) / statistics.median(theirs):.2f})"
-    )
-    print(f"identical greedy output on {same}/{len(prompts)} prompts")
+        for i, engine in enumerate(engines):
+            result = engine.generate(ids, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+            ours[i].append(result.tokens_per_s)
+            same[i] += out == result.output_ids
+    base = statistics.median(theirs)
+    print(f"ORT GenAI: median {base:.1f} tok/s")
+    for bundle, rates, n in zip(args.bundles, ours, same, strict=True):
+        print(
+            f"specgraph {bundle}: median {statistics.median(rates):.1f} tok/s (ratio {statistics.median(rates) / base:.2f}), "
+            f"identical greedy output on {n}/{len(prompts)} prompts"
+        )
 
 
 if __name__ == "__main__":
