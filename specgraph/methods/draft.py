@@ -524,7 +524,8 @@ class DraftMethod(Method):
             "--draft",
             help="draft: the draft model (a path or alias whose tokenizer matches the target's), or self:int4 / "
             "self:int8, the target's own weight-quantised copy (default self:int4); a matrix the model file stores "
-            "in blocks of that width (a GGUF's Q4_1 for self:int4) keeps its stored blocks",
+            "in blocks of at most that width keeps them (a GGUF's Q4_1 in either, its Q8_0 in self:int8: on the "
+            "default model self:int8 ran 2.15x an fp32 none, self:int4 1.7-2.0x; docs/benchmarks.md)",
         )
         group.add_argument(
             "--draft-block-size", type=int, help="draft: weights per block for self:int4 / self:int8 (default 32)"
@@ -592,7 +593,9 @@ def _quantise_copy(staging: Path, cfg: Any, built: Built, opts: DraftOptions, bi
     it reads. A matrix the model file stores in `bits`-bit blocks (a GGUF's Q4_1, Q8_0, ...) keeps
     those blocks (`stored_blocks`)."""
     native = built.meta.get("kernels") == "native"
-    quads = bits == 4 and opts.draft_block_size == 32 and native and code_path() == "avx512-vnni"
+    # at int8 activations on the library: one-digit codes (int4, or a stored Q4_1 in the int8 copy) in
+    # quads, two-digit ones in pairs
+    quads = opts.draft_block_size == 32 and native and code_path() == "avx512-vnni"
     # a cascade's mid model runs K tokens at once: on the library's products at int8 activations
     # a K = 5 round cost 2.97 plain fp32 steps on a Xeon, 3.08 at float32 activations (wide lanes)
     # and 3.47 on ONNX Runtime's 8-bit product (docs/benchmarks.md, cascade)
@@ -605,22 +608,23 @@ def _quantise_copy(staging: Path, cfg: Any, built: Built, opts: DraftOptions, bi
 
 
 def stored_blocks(model: str, bits: int, block_size: int) -> Callable[[np.ndarray], list[Any] | None]:
-    """`W`'s own blocks where the model file stores it as `bits`-bit blocks of `block_size` (a
-    GGUF's; the target's float32 weights are then those blocks dequantised), else None. A copy of
-    the target that requantised such a weight would round already rounded values onto another
-    grid: on the default Q4_1 model that cost the int4 copy τ 4.86 -> 4.15 at K = 5 on HumanEval
-    (docs/benchmarks.md, draft models)."""
+    """`W`'s own blocks where the model file stores it in blocks of `block_size` and at most `bits`
+    bits (a GGUF's; the target's float32 weights are then those blocks dequantised), else None. A
+    copy of the target that requantised such a weight would round already rounded values onto
+    another grid: on the default Q4_1 model that cost the int4 copy τ 4.86 -> 4.15 at K = 5 on
+    HumanEval, and the int4 copy's requantised Q8_0 table still costs it most of what it gets
+    wrong, which the int8 copy keeps (docs/benchmarks.md, draft models)."""
     from specgraph import blocks
     from specgraph.weights import gguf_file
 
     gguf = gguf_file(model)
-    if gguf is None or not any(blocks.GGUF_FORMATS.get(f, (0,))[0] == bits for f in blocks.gguf_formats(str(gguf))):
+    if gguf is None or not any(blocks.GGUF_FORMATS.get(f, (99,))[0] <= bits for f in blocks.gguf_formats(str(gguf))):
         return lambda _w: None
     index = blocks.gguf_index(str(gguf))
 
     def own(w: np.ndarray) -> list[Any] | None:
         runs = index.match(w)
-        return runs if runs and all(r.bits == bits and r.block == block_size for r in runs) else None
+        return runs if runs and all(r.bits <= bits and r.block == block_size for r in runs) else None
 
     return own
 

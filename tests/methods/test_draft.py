@@ -584,11 +584,12 @@ def test_bad_draft_counts_are_refused(tiny_folder, tmp_path, method, options, me
         CompileConfig.of(tiny_folder("llama"), tmp_path / "b", method, **options).check()
 
 
-@pytest.mark.parametrize("kernels", ["auto", "ort"])
-def test_the_copy_keeps_the_blocks_the_model_file_stores(kernels, tmp_path):
-    """A GGUF's float32 weights are its blocks dequantised: the int4 copy of a Q4_1 matrix is
-    those Q4_1 blocks (not a requantisation onto another grid), a Q8_0 table is requantised to int4,
-    and an 8-bit copy keeps the Q8_0 table; a float model has nothing stored."""
+@pytest.mark.parametrize(("draft", "kernels", "kept"), [("self:int4", "auto", 8), ("self:int4", "ort", 8),
+                                                       ("self:int8", "auto", 9)])  # fmt: skip
+def test_the_copy_keeps_the_blocks_the_model_file_stores(draft, kernels, kept, tmp_path):
+    """A GGUF's float32 weights are its blocks dequantised: a copy keeps every matrix stored in
+    blocks of at most its width (not a requantisation onto another grid): the int4 copy the Q4_1
+    matrices, requantising the Q8_0 table to int4; the int8 copy both. A float model has nothing stored."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -608,18 +609,18 @@ def test_the_copy_keeps_the_blocks_the_model_file_stores(kernels, tmp_path):
     runs = int4(down)
     assert runs is not None and [r.format for r in runs] == ["Q4_1"]
     assert np.array_equal(np.concatenate([r.dequantize() for r in runs]), down)
-    assert int8(down) is None and stored_blocks(str(path), 4, 64)(down) is None
+    assert [r.format for r in int8(down)] == ["Q4_1"] and stored_blocks(str(path), 4, 64)(down) is None
     table = stored["token_embd.weight"][1]
     assert int4(table) is None and [r.format for r in int8(table)] == ["Q8_0"]
     assert int4(down + 1e-3) is None  # values no stored row has
 
     out = tmp_path / "b"
-    compile_model(CompileConfig.of(str(path), out, "draft", max_context=160, weights="fp32", draft="self:int4",
+    compile_model(CompileConfig.of(str(path), out, "draft", max_context=160, weights="fp32", draft=draft,
                                    num_draft=3, adaptive=False, kernels=kernels))  # fmt: skip
     engine = Engine(out)
     copy = engine.manifest["draft"]["weights"]
     assert kernels != "ort" or copy["kernels"] == "ort"  # ONNX Runtime's MatMulNBits takes Q4_1's offsets too
-    assert copy["stored_blocks"] == 8  # 2 layers: Q/K/V, output, gate/up and down, each kept; the table requantised
+    assert copy["stored_blocks"] == kept  # 2 layers' Q/K/V, output, gate/up and down products (and the tied table)
     model, _tok = read_gguf(path)
     for prompt in PROMPTS:
         result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
