@@ -570,14 +570,15 @@ class DraftMethod(Method):
         section: dict[str, Any] = {"draft": opts.draft, "num_draft": engine.num_draft, "weights": "float32"}
         bits = SELF.get(opts.draft)
         summary = f"draft {opts.draft}, {per_round(engine.num_draft)}"
+        index = stored_index(cfg.model) if bits is not None else None  # one index for the copy and a cascade's
         if bits is not None:
-            section["weights"], section["bytes_share"] = _quantise_copy(staging, cfg, built, opts, bits, "draft_gm.")
+            section["weights"], section["bytes_share"] = _quantise_copy(staging, index, built, opts, bits, "draft_gm.")
             if section["bytes_share"] >= DEAR_COPY:
                 summary += (f"; the copy reads {section['bytes_share']:.2f} of the bytes a step reads, so a draft costs "
                             "most of a plain step and drafting seldom pays (the copy is for a float32 target: "
                             "--weights fp32)")  # fmt: skip
         if opts.cascade is not None:
-            weights, share = _quantise_copy(staging, cfg, built, opts, SELF[opts.cascade], "cascade_gm.", mid=True)
+            weights, share = _quantise_copy(staging, index, built, opts, SELF[opts.cascade], "cascade_gm.", mid=True)
             section["cascade"] = {"draft": opts.cascade, "drafter_steps": engine.drafter_steps, "weights": weights,
                                   "bytes_share": share}  # fmt: skip
             summary += (f" ({engine.drafter_steps} by {opts.draft}, checked and extended by {opts.cascade} in one "
@@ -585,13 +586,13 @@ class DraftMethod(Method):
         return finish_drafts(staging, engine, section, summary, opts, measure)
 
 
-def _quantise_copy(staging: Path, cfg: Any, built: Built, opts: DraftOptions, bits: int, prefix: str,
+def _quantise_copy(staging: Path, index: Any, built: Built, opts: DraftOptions, bits: int, prefix: str,
                    mid: bool = False) -> tuple[dict[str, Any], float]:  # fmt: skip
     """Quantise the staged engine's copy of the target whose weights start with `prefix` (the
     drafter's, or with `mid` a cascade's mid model's) to `bits`, on the quads where the library
     runs them; returns the manifest's description and the share of a target step's bytes a run of
-    it reads. A matrix the model file stores in `bits`-bit blocks (a GGUF's Q4_1, Q8_0, ...) keeps
-    those blocks (`stored_blocks`)."""
+    it reads. A matrix `index` (`stored_index`) holds in blocks of at most `bits` bits keeps those
+    blocks (`stored_blocks`)."""
     native = built.meta.get("kernels") == "native"
     # at int8 activations on the library: one-digit codes (int4, or a stored Q4_1 in the int8 copy) in
     # quads, two-digit ones in pairs
@@ -601,29 +602,32 @@ def _quantise_copy(staging: Path, cfg: Any, built: Built, opts: DraftOptions, bi
     # and 3.47 on ONNX Runtime's 8-bit product (docs/benchmarks.md, cascade)
     rows = native and mid
     copy = quantise_drafter(staging, bits, opts.draft_block_size, native=rows, quads=quads, prefix=prefix, int8=rows,
-                            stored=stored_blocks(cfg.model, bits, opts.draft_block_size))  # fmt: skip
+                            stored=stored_blocks(index, bits, opts.draft_block_size))  # fmt: skip
     streamed = copy["block_bytes"] - copy.get("quads_gather_bytes", 0)
     share = streamed / step_bytes(built.meta.get("weights", {}), copy["float32_bytes"])
     return copy, round(share, 3)
 
 
-def stored_blocks(model: str, bits: int, block_size: int) -> Callable[[np.ndarray], list[Any] | None]:
-    """`W`'s own blocks where the model file stores it in blocks of `block_size` and at most `bits`
-    bits (a GGUF's; the target's float32 weights are then those blocks dequantised), else None. A
-    copy of the target that requantised such a weight would round already rounded values onto
-    another grid: on the default Q4_1 model that cost the int4 copy τ 4.86 -> 4.15 at K = 5 on
-    HumanEval, and the int4 copy's requantised Q8_0 table still costs it most of what it gets
-    wrong, which the int8 copy keeps (docs/benchmarks.md, draft models)."""
+def stored_index(model: str) -> Any:
+    """The blocks the model file stores (`blocks.RowIndex` of a GGUF's quantised matrices), or
+    None for a model with none (a float file, an HF folder)."""
     from specgraph import blocks
     from specgraph.weights import gguf_file
 
     gguf = gguf_file(model)
-    if gguf is None or not any(blocks.GGUF_FORMATS.get(f, (99,))[0] <= bits for f in blocks.gguf_formats(str(gguf))):
-        return lambda _w: None
-    index = blocks.gguf_index(str(gguf))
+    return blocks.gguf_index(str(gguf)) if gguf is not None else None
+
+
+def stored_blocks(index: Any, bits: int, block_size: int) -> Callable[[np.ndarray], list[Any] | None]:
+    """`W`'s own blocks where `index` (`stored_index`) holds it in blocks of `block_size` and at
+    most `bits` bits (the target's float32 weights are then those blocks dequantised), else None.
+    A copy of the target that requantised such a weight would round already rounded values onto
+    another grid: on the default Q4_1 model that cost the int4 copy τ 4.86 -> 4.15 at K = 5 on
+    HumanEval, and the int4 copy's requantised Q8_0 table still costs it most of what it gets
+    wrong, which the int8 copy keeps (docs/benchmarks.md, draft models)."""
 
     def own(w: np.ndarray) -> list[Any] | None:
-        runs = index.match(w)
+        runs = index.match(w) if index is not None else None
         return runs if runs and all(r.bits <= bits and r.block == block_size for r in runs) else None
 
     return own
@@ -926,9 +930,10 @@ def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = F
     kernels already) they are `specgraph.BlockMatMul` nodes in float32 instead, 8-bit codes in
     wide lanes, with the norms, SwiGLU and residual adds around them folded in as the target's
     are: one node a product where ONNX Runtime's path takes four or five (docs/benchmarks.md,
-    EAGLE). With `quads` (4-bit codes, where the library runs VNNI's loop) they are native
-    products at int8 activations with their codes in quads and float16 scales (block_matmul.h):
-    a draft run 1.5-1.7x cheaper than ONNX Runtime's on a Xeon (docs/benchmarks.md, draft models).
+    EAGLE). With `quads` (where the library runs VNNI's loop) they are native products at int8
+    activations, one-digit codes in quads and two-digit ones in pairs, with float16 scales
+    (block_matmul.h): an int4 draft run 1.5-1.7x cheaper than ONNX Runtime's on a Xeon
+    (docs/benchmarks.md, draft models).
     With `native` and `int8` (8-bit codes) they are native products at int8 activations with their
     codes in pairs of 4-bit digits, the loop the stored Q8_0 LM head runs. `prefix`: the copy's
     weights (`draft_gm.`, or a cascade's mid model's `cascade_gm.`). `stored(W)`: W's own blocks
@@ -939,13 +944,14 @@ def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = F
     from specgraph.exporters.nbits import run_weights_as_blocks
 
     native = native or quads
-    kept = [0]  # matrices that keep their stored blocks
+    kept = 0  # matrices that keep their stored blocks
 
     def own(name: str, w: np.ndarray) -> list[Any] | None:
+        nonlocal kept
         if not name.startswith(prefix) or w.shape[1] % block_size:
             return None
         runs = stored(w) if stored is not None else None
-        kept[0] += runs is not None
+        kept += runs is not None
         return runs or [blocks.quantize(w, bits, block_size, half_scales=quads)]
 
     path = staging / "model.onnx"
@@ -955,7 +961,7 @@ def quantise_drafter(staging: Path, bits: int, block_size: int, native: bool = F
     section = {"weights": f"int{bits}", "activations": "float32" if level == 1 else "int8", "block_size": block_size,
                "kernels": "native" if native else "ort", "matmuls": report.matmuls,
                "float32_bytes": report.float_bytes, "block_bytes": report.stored_bytes,
-               "stored_blocks": kept[0]}  # fmt: skip
+               "stored_blocks": kept}  # fmt: skip
     if quads:  # the tied LM head keeps its pairs for the embedding's Gather: a run streams one of the two
         section.update(quads=report.quads, quads_gather_bytes=report.quads_gather_bytes)
     if native:

@@ -594,7 +594,7 @@ def test_the_copy_keeps_the_blocks_the_model_file_stores(draft, kernels, kept, t
     from gguf.quants import dequantize
 
     from specgraph.gguf_table import tensor_table
-    from specgraph.methods.draft import stored_blocks
+    from specgraph.methods.draft import stored_blocks, stored_index
     from tests.models.tiny_gguf import write_llama_gguf
 
     path = write_llama_gguf(tmp_path / "q41.gguf", "Q4_1", "Q8_0")
@@ -604,12 +604,13 @@ def test_the_copy_keeps_the_blocks_the_model_file_stores(draft, kernels, kept, t
         t = tables[name]
         cols, rows = t.shape
         stored[name] = (t.data, dequantize(t.data, GGMLQuantizationType[t.type_name]).reshape(rows, cols))
-    int4, int8 = stored_blocks(str(path), 4, 32), stored_blocks(str(path), 8, 32)
+    index = stored_index(str(path))
+    int4, int8 = stored_blocks(index, 4, 32), stored_blocks(index, 8, 32)
     data, down = stored["blk.0.ffn_down.weight"]
     runs = int4(down)
     assert runs is not None and [r.format for r in runs] == ["Q4_1"]
     assert np.array_equal(np.concatenate([r.dequantize() for r in runs]), down)
-    assert [r.format for r in int8(down)] == ["Q4_1"] and stored_blocks(str(path), 4, 64)(down) is None
+    assert [r.format for r in int8(down)] == ["Q4_1"] and stored_blocks(index, 4, 64)(down) is None
     table = stored["token_embd.weight"][1]
     assert int4(table) is None and [r.format for r in int8(table)] == ["Q8_0"]
     assert int4(down + 1e-3) is None  # values no stored row has
