@@ -49,6 +49,7 @@ class NBitsReport:
     one_row: int = 0  # of their runs, those in pairs that also hold lanes for one-row calls
     one_row_bytes: int = 0  # bytes of those lanes (stored beside the pairs; a call streams one of the two)
     quads: int = 0  # of the int8 runs, those whose codes take the quads layout
+    digits: int = 0  # of the float32 runs, those multiplied as four int8 digits (quads, activation_bits 24)
     quads_gather_bytes: int = 0  # of those, the pairs a Gather of the same table reads (a call streams one)
     gathers: int = 0
     formats: dict[str, int] = field(default_factory=dict)  # weights per stored format
@@ -81,6 +82,7 @@ def run_weights_as_blocks(
     wide: bool = False,
     one_row: bool = False,
     quads: bool = False,
+    digits: bool = False,
 ) -> NBitsReport:
     """Rewrite `path` (and its external data) in place; `lookup(name, W)` gives W's blocks or None.
     `native`: products whose blocks the native kernel takes become `specgraph.BlockMatMul` nodes;
@@ -88,7 +90,9 @@ def run_weights_as_blocks(
     `wide`: those of two digits take wide lanes (a table the tokens' Gather reads too: it reads them);
     `one_row`: those of one digit left in pairs also get lanes, which calls of one row read;
     `quads`: those of one digit at int8 activations take quads (a table a Gather also reads keeps its
-    pairs for the Gather: a call streams one of the two).
+    pairs for the Gather: a call streams one of the two);
+    `digits`: those of one digit in blocks of 32 at float32 activations take quads too, their input
+    written as four int8 digits (`activation_bits=24`, float32's precision in integers: AMX's).
     An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), when its
     table is one the tokens gather or a product multiplies (EAGLE's drafter embeds its drafts
     through the target's table), or when its table's name starts with `tables` (a drafter's own,
@@ -148,19 +152,23 @@ def run_weights_as_blocks(
                     quantised = int8 and all(r.block == NATIVE_INT8_BLOCK for r in runs)
                     table = node.input[1]
                     wide_table = len(runs) == 1 and len(runs[0].digits) == 2 and table in wide_gathers
+                    exact = [digits and not int8 and len(r.digits) == 1 and r.block == NATIVE_INT8_BLOCK for r in runs]
                     laned = [
-                        not quantised
+                        not quantised and not exact[i]
                         and (lanes and table not in gathered if len(r.digits) == 1 else wide and (table not in gathered or wide_table))
-                        for r in runs
+                        for i, r in enumerate(runs)
                     ]  # fmt: skip
                     also = [
-                        one_row and not quantised and not laned[i] and len(r.digits) == 1 for i, r in enumerate(runs)
+                        one_row and not quantised and not laned[i] and not exact[i] and len(r.digits) == 1
+                        for i, r in enumerate(runs)
                     ]
                     quad = [quads and quantised and len(r.digits) == 1 for r in runs]  # a Gather reads the pairs
-                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised, also, quad)
+                    new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised, also, quad, exact)
                     report.quads += sum(quad)
+                    report.digits += sum(exact)
                     if table in gathered:
-                        quads_gathered.update(q for r, on in zip(runs, quad, strict=True) if on for q, _s in r.digits)
+                        both = [a or b for a, b in zip(quad, exact, strict=True)]
+                        quads_gathered.update(q for r, on in zip(runs, both, strict=True) if on for q, _s in r.digits)
                     report.native += 1
                     report.native_int8 += quantised
                     report.lanes += sum(laned)
@@ -312,13 +320,15 @@ def _native_nodes(
     int8: bool = False,
     one_row: list[bool] | None = None,
     quads: list[bool] | None = None,
+    digits: list[bool] | None = None,
 ) -> list[onnx.NodeProto]:
     """y [..., N] = x [..., K] @ W^T as one BlockMatMul per run: (x, high digit, d, m or "", low
     digit or ""), d and m the format's own scale and offset (the low digit's for two digits). With
     `lanes[i]`, run i's codes go in the kernel's lanes layout (`native_lanes`; wide lanes for two
     digits); `int8`: x is quantised to int8 per block of 32 first (`activation_bits=8`);
     `one_row[i]`: run i keeps pairs and takes its lanes as well (input 7), for calls of one row;
-    `quads[i]`: run i's one digit goes in quads (`native_quads`), for int8 activations."""
+    `quads[i]`: run i's one digit goes in quads (`native_quads`), for int8 activations;
+    `digits[i]`: so does run i's, its float32 input taken as four int8 digits (`activation_bits=24`)."""
     nodes: list[onnx.NodeProto] = []
     outs = []
     for i, run in enumerate(runs):
@@ -328,7 +338,7 @@ def _native_nodes(
         wide = lanes[i] and bool(low)
         if lanes[i]:  # one digit: lanes of 8 outputs; two: wide lanes of 4 (8-bit codes)
             high, low = _native_lanes(graph, run), ""
-        elif quads and quads[i]:
+        elif (quads and quads[i]) or (digits and digits[i]):
             high = _native_quads(graph, run)
         inputs = [x, high, d, m, low, "", "", _native_lanes(graph, run) if one_row and one_row[i] else ""]
         while inputs[-1] == "":
@@ -337,6 +347,8 @@ def _native_nodes(
                                 K=run.cols, N=run.rows, block_size=run.block)  # fmt: skip
         if int8:
             node.attribute.append(helper.make_attribute("activation_bits", 8))
+        elif digits and digits[i]:
+            node.attribute.append(helper.make_attribute("activation_bits", 24))
         if wide:
             node.attribute.append(helper.make_attribute("lane_bits", 8))
         nodes.append(node)

@@ -60,6 +60,21 @@ def code_path() -> str | None:
     return str(library.specgraph_kernels_path().decode())
 
 
+def exact_digits() -> bool:
+    """Whether this CPU runs exact one-digit products as four int8 digits on AMX (block_matmul.h,
+    digits): a compile then stores them so (quads, `activation_bits=24`). False without the library.
+    $SPECGRAPH_KERNELS_NO_AMX set and not empty: False (the lanes layout); $SPECGRAPH_KERNELS_DIGITS:
+    True wherever the library is (its VNNI or portable loops run them, to the same bits; tests)."""
+    import ctypes
+
+    path = library_path()
+    if path is None or os.environ.get("SPECGRAPH_KERNELS_NO_AMX"):
+        return False
+    if os.environ.get("SPECGRAPH_KERNELS_DIGITS"):
+        return True
+    return bool(ctypes.CDLL(str(path)).specgraph_kernels_exact_digits())
+
+
 def uses_native(manifest: dict[str, Any]) -> bool:
     weights = manifest.get("weights")
     return isinstance(weights, dict) and weights.get("kernels") == "native"

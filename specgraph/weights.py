@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specgraph.errors import InputError
-from specgraph.kernels import KERNELS, check_available, code_path
+from specgraph.kernels import KERNELS, check_available, code_path, exact_digits
 
 WEIGHTS = ("source", "fp32", "int8", "int4")
 ACTIVATIONS = ("fp32", "int8")
@@ -147,11 +147,15 @@ def store_weights(
     say("store weights as blocks")
     native = kernels == "native"
     quads = native and activations == "int8" and code_path() == "avx512-vnni"
+    digits = native and activations == "fp32" and exact_digits()
     report = run_weights_as_blocks(onnx_path, lookup, _ACCURACY[activations], native=native, lanes=native and one_token,
-                                   wide=native, one_row=native and not one_token, quads=quads)  # fmt: skip
+                                   wide=native, one_row=native and not one_token, quads=quads, digits=digits)  # fmt: skip
     if native and activations == "int8":
         section["native_int8"] = report.native_int8  # the others (blocks other than 32) multiply in float32
         section["quads"] = report.quads
+        section["native_quads_gather_bytes"] = report.quads_gather_bytes
+    if digits:
+        section["native_digits"] = report.digits  # exact one-digit products on AMX's integer tiles
         section["native_quads_gather_bytes"] = report.quads_gather_bytes
     attention = run_attention_natively(onnx_path) if kernels == "native" else 0  # the library is loaded anyway
     fused = fuse_into_block_matmuls(onnx_path) if kernels == "native" else {}

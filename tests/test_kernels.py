@@ -270,8 +270,10 @@ def test_native_engines_fold_norms_swiglus_and_residuals_into_their_products(tmp
                                                          "residuals": 2 * layers}  # fmt: skip
     ops = [n.op_type for n in onnx.load(str(tmp_path / "b" / "model.onnx"), load_external_data=False).graph.node]
     assert "RMSNormalization" not in ops and "Sigmoid" not in ops
-    # the tied Q8_0 table: the LM head in wide lanes, the embedding gathered from them (GatherND)
-    assert engine.manifest["weights"]["native_lanes"] == engine.manifest["weights"]["matmuls"] and "GatherND" in ops
+    # the tied Q8_0 table: the LM head in wide lanes, the embedding gathered from them (GatherND); the
+    # one-digit products in lanes, or as digits where AMX runs them
+    weights = engine.manifest["weights"]
+    assert weights["native_lanes"] + weights.get("native_digits", 0) == weights["matmuls"] and "GatherND" in ops
     # a norm read twice (here: also a graph output) is left alone
     k, n = 64, 16
     norm = helper.make_node("RMSNormalization", ["x", "s"], ["h"], axis=-1, epsilon=1e-5)
@@ -376,8 +378,80 @@ def test_quads_give_the_pairs_loops_bits_at_every_row_count():
             feed = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
             assert np.array_equal(_run_here(quads, feed)[0], _run_here(pairs, feed)[0]), (n, k, rows)
     at_float32 = _product_model(rng.integers(0, 16, (16, 64)), 32, "quads", rng)  # quads need int8 activations
-    with pytest.raises(Exception, match="quads hold one digit in blocks of 32 at int8 activations"):
+    with pytest.raises(Exception, match="quads hold one digit in blocks of 32 at activation_bits 8 or 24"):
         _run_here(at_float32, {"x": np.ones((1, 64), np.float32)})
+
+
+def _dequantised(model: onnx.ModelProto, codes: np.ndarray) -> np.ndarray:
+    """W [N, K] in float64 from a one-digit product's codes and its tiled d and m."""
+    arrays = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
+    n, k = codes.shape
+    tiles, nb, _ = arrays["d"].shape
+    d, m = (arrays[p].transpose(0, 2, 1).reshape(tiles * 16, nb)[:n] for p in ("d", "m"))
+    return (codes.reshape(n, nb, -1) * d[:, :, None] + m[:, :, None]).reshape(n, k)
+
+
+def test_digits_equal_the_dequantised_product_to_float32_rounding():
+    """activation_bits 24 (block_matmul.h, digits): x in four int8 digits a block, the codes' sums
+    in integers. Against float64, over row counts that take one to three AMX groups, output tails
+    and inputs spread over e^8 within a block, the error is float32's: no worse than the float32
+    lanes loop's on the same products (whose d T + c' S form cancels alike: both stay under 4e-6
+    of sum |x w|). A row of a many-row call equals that row computed alone, to the bit."""
+    rng = np.random.default_rng(7)
+    worst = {"digits": 0.0, "lanes": 0.0}
+    for n, k in ((75, 96), (130, 64), (16, 128), (48, 1536)):
+        codes = rng.integers(0, 16, (n, k))
+        seed = int(rng.integers(1 << 30))
+        models = {layout: _product_model(codes, 32, "quads" if layout == "digits" else layout,
+                                         np.random.default_rng(seed), **({"activation_bits": 24} if layout == "digits" else {}))
+                  for layout in worst}  # fmt: skip
+        weight = _dequantised(models["digits"], codes)
+        for rows in (1, 2, 3, 5, 6, 11):
+            x = (rng.standard_normal((rows, k)) * np.exp(2 * rng.standard_normal((rows, k)))).astype(np.float32)
+            x[0, : k // 3] = 0.0  # whole blocks of zeros (a step of 0)
+            want, size = x.astype(np.float64) @ weight.T, np.abs(x.astype(np.float64)) @ np.abs(weight).T
+            for layout, model in models.items():
+                got = _run_here(model, {"x": x})[0]
+                worst[layout] = max(worst[layout], (np.abs(got - want) / size).max())
+            got = _run_here(models["digits"], {"x": x})[0]
+            alone = np.concatenate([_run_here(models["digits"], {"x": x[r : r + 1]})[0] for r in range(rows)])
+            assert np.array_equal(alone, got), (n, k, rows)
+    assert worst["digits"] <= worst["lanes"] <= 4e-6, worst
+
+
+def test_digits_give_the_same_bits_on_every_loop(tmp_path):
+    """The digit sums are integers, so AMX's tiles (where this CPU has them), VNNI's loop
+    ($SPECGRAPH_KERNELS_NO_AMX), the portable one ($SPECGRAPH_KERNELS_AVX2 on a CPU without VNNI,
+    $SPECGRAPH_KERNELS_PORTABLE) give one product, bit for bit: a bundle stored as digits runs on any CPU."""
+    rng = np.random.default_rng(9)
+    models, feeds = [], []
+    for n, k in ((75, 96), (130, 64), (48, 1536)):
+        model = _product_model(rng.integers(0, 16, (n, k)), 32, "quads", rng, activation_bits=24)
+        for rows in (1, 2, 4, 7):
+            models.append(model)
+            feeds.append({"x": rng.standard_normal((rows, k)).astype(np.float32)})
+    here = [_run_here(model, feed)[0] for model, feed in zip(models, feeds, strict=True)]
+    for env in (
+        {"SPECGRAPH_KERNELS_NO_AMX": "1"},
+        {"SPECGRAPH_KERNELS_AVX2": "1"},
+        {"SPECGRAPH_KERNELS_PORTABLE": "1"},
+    ):
+        folder = tmp_path / next(iter(env))
+        folder.mkdir()
+        for i, outs in enumerate(_run_in_process(env, folder, models, feeds)):
+            assert np.array_equal(outs[0], here[i]), (env, i)
+
+
+def test_digits_refuse_what_they_cannot_read():
+    rng = np.random.default_rng(2)
+    codes = rng.integers(0, 16, (16, 64))
+    x = {"x": np.ones((1, 64), np.float32)}
+    with pytest.raises(Exception, match=r"activation_bits 24 reads one digit in quads"):
+        _run_here(_product_model(codes, 32, "pairs", rng, activation_bits=24), x)
+    with pytest.raises(Exception, match="activation_bits 8 and 24 take block_size 32"):
+        _run_here(_product_model(codes, 16, "pairs", rng, activation_bits=24), x)
+    with pytest.raises(Exception, match="activation_bits must be 32, 24 or 8"):
+        _run_here(_product_model(codes, 32, "quads", rng, activation_bits=16), x)
 
 
 def test_the_portable_loops_compute_what_the_avx2_ones_do(tmp_path):
@@ -727,10 +801,12 @@ def test_native_engines_match_hf_generate_on_the_gguf(matrices, embedding, metho
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, weights):
+def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, weights, monkeypatch):
     """int4 and int8 weights made here, native kernels: lookup and Medusa emit what none emits,
     greedy and sampled. At int4 none's codes take the lanes layout and theirs the pairs layout, plus
-    lanes that their one-token calls read; at int8 (two digits) every engine's take wide lanes."""
+    lanes that their one-token calls read; at int8 (two digits) every engine's take wide lanes.
+    (Where AMX runs them the one-digit products take digits instead: the digits tests below.)"""
+    monkeypatch.setenv("SPECGRAPH_KERNELS_NO_AMX", "1")
     folder = tiny_folder("llama")
     engines = {}
     for method in ("none", "lookup", "medusa"):
@@ -767,6 +843,44 @@ def test_native_speculation_equals_its_own_none_engine(tiny_folder, tmp_path, we
             assert engines[method].generate(prompt, max_new_tokens=48, stop_at_eos=False).output_ids == want
             again = engines[method].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
             assert again.output_ids == sampled.output_ids
+
+
+def test_digits_engines_match_hf_and_their_speculation_their_none(tmp_path, monkeypatch):
+    """Exact one-digit products stored as digits (what a compile does where AMX runs them; forced
+    here, so a CPU without AMX tests its own loops): none, lookup and Medusa on a Q4_1 GGUF equal
+    HF greedy for 64 tokens, the speculative engines equal none greedy and sampled, the logits of
+    a prompt are the dequantised model's to 1e-4, and the Q8_0 head keeps its wide lanes."""
+    monkeypatch.setenv("SPECGRAPH_KERNELS_DIGITS", "1")
+    path = write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0")
+    model, _tok = read_gguf(path)
+    engines = {}
+    for method in ("none", "lookup", "medusa"):
+        extra = {"heads": str(_heads(tmp_path))} if method == "medusa" else {}
+        compile_model(CompileConfig.of(model=str(path), output=tmp_path / method, method=method, max_context=160,
+                                       kernels="native", emit_logits=method == "none", **extra))  # fmt: skip
+        engines[method] = Engine(tmp_path / method)
+        weights = engines[method].manifest["weights"]
+        assert weights["native_digits"] == weights["formats"]["Q4_1"] > 0, method
+        assert weights["native_one_row_lanes"] == 0 and weights["native_lanes"] == weights["formats"]["Q8_0"]
+    for prompt in PROMPTS:
+        want = engines["none"].generate(prompt, max_new_tokens=64, stop_at_eos=False).output_ids
+        assert_same_greedy(model, prompt, want, hf_greedy(model, prompt, 64))
+        sampled = engines["none"].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
+        for method in ("lookup", "medusa"):
+            assert engines[method].generate(prompt, max_new_tokens=64, stop_at_eos=False).output_ids == want
+            again = engines[method].generate(prompt, max_new_tokens=32, stop_at_eos=False, temperature=0.8, seed=3)
+            assert again.output_ids == sampled.output_ids
+    prompt = PROMPTS[2]
+    feeds = {"tokens": np.asarray([prompt], np.int64), "n_fixed": np.asarray([len(prompt)], np.int64),
+             "cache_len": np.zeros(1, np.int64)}  # fmt: skip
+    engine = engines["none"]
+    got = engine.call(engine.session.io_binding(), feeds, engine.new_state(1))["logits"].numpy()[0]
+    with torch.no_grad():
+        want_logits = model(torch.tensor([prompt])).logits[0].numpy()
+    assert np.abs(got - want_logits).max() <= 1e-4 * np.abs(want_logits).max()
+    monkeypatch.setenv("SPECGRAPH_KERNELS_NO_AMX", "1")  # and where a compile keeps lanes
+    compile_model(CompileConfig.of(model=str(path), output=tmp_path / "lanes", max_context=160, kernels="native"))
+    assert "native_digits" not in Engine(tmp_path / "lanes").manifest["weights"]
 
 
 def test_what_native_kernels_cannot_run_is_refused(tmp_path, capsys, monkeypatch):

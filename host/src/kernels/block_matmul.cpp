@@ -14,12 +14,18 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace sg::kernels {
 namespace {
 
 bool has_avx2();
 bool has_avx512();
 bool has_vnni();
+bool has_amx();
 
 // The environment variable `name` is set and not empty.
 bool env_flag(const char* name) {
@@ -811,6 +817,25 @@ bool has_vnni() {
   return yes;
 }
 
+// and AMX's tiles and int8 products, which Linux lends a process once it asks for the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM); $SPECGRAPH_KERNELS_NO_AMX set and not empty: VNNI's loop instead
+// (tests compare the two on one machine).
+bool has_amx() {
+  static const bool yes = [] {
+    if (!has_vnni() || env_flag("SPECGRAPH_KERNELS_NO_AMX")) return false;
+#if defined(__linux__) && defined(__x86_64__)
+    unsigned eax = 7, ebx = 0, ecx = 0, edx = 0;
+    __asm__("cpuid" : "+a"(eax), "=b"(ebx), "+c"(ecx), "=d"(edx));
+    const bool tiles = (edx >> 24) & 1, int8 = (edx >> 25) & 1;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return tiles && int8 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return yes;
+}
+
 // e^x to about 1 ulp (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5 polynomial for
 // e^r, then 2^n from the exponent bits), x clamped to where e^x is a normal float32.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 exp8(__m256 x) {
@@ -1082,8 +1107,288 @@ void quads512(const BlockWeights& w, const PreparedInput& in, float* y, int64_t 
   if (r < in.rows) quads_one512(w, in, y, n_begin, n_end, r);
 }
 
+namespace {
+
+// digit_input's arithmetic 16 inputs a register: the block's inputs are first put in digit_column
+// order (the same permutation for both halves), then each lane computes what the portable loop does.
+__attribute__((target(SG_AVX512))) void digit_input512(const float* x, int64_t rows, int64_t k, int8_t* digits,
+                                                      float* steps, float* sums) {
+  const int64_t nb = k / kInt8Block;
+  alignas(64) int32_t order[16];
+  for (int64_t i = 0; i < 16; ++i) order[digit_column(i)] = static_cast<int32_t>(i);
+  const __m512i permute = _mm512_load_si512(order), byte = _mm512_set1_epi32(255), half = _mm512_set1_epi32(128);
+  const __m512i top = _mm512_set1_epi32(kDigitsTop), bottom = _mm512_set1_epi32(-kDigitsTop);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* src = x + r * k + b * kInt8Block;
+      const __m512 lo = _mm512_permutexvar_ps(permute, _mm512_loadu_ps(src));
+      const __m512 hi = _mm512_permutexvar_ps(permute, _mm512_loadu_ps(src + 16));
+      const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float inverse = most > 0.0f ? static_cast<float>(kDigitsTop) / most : 0.0f;
+      int8_t* a = digits + (b * rows + r) * kDigits * kInt8Block;
+      int64_t sum = 0;
+      for (int h = 0; h < 2; ++h) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, _mm512_set1_ps(inverse)));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, top), bottom);
+        sum += _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v))) +
+               _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1)));
+        for (int j = kDigits - 1; j >= 0; --j) {  // the low digit first, stored last
+          const __m512i digit = j ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, half), byte), half) : v;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(a + j * kInt8Block + 16 * h), _mm512_cvtepi32_epi8(digit));
+          v = _mm512_srai_epi32(_mm512_sub_epi32(v, digit), 8);
+        }
+      }
+      const float step = most / static_cast<float>(kDigitsTop);
+      steps[r * nb + b] = step;
+      sums[r * nb + b] = step * static_cast<float>(sum);
+    }
+}
+
+}  // namespace
+
+void digit_input(const float* x, int64_t rows, int64_t k, int8_t* digits, float* steps, float* sums) {
+  if (has_avx512()) {
+    digit_input512(x, rows, k, digits, steps, sums);
+    return;
+  }
+  const int64_t nb = k / kInt8Block;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* src = x + r * k + b * kInt8Block;
+      float most = 0.0f;
+      for (int64_t i = 0; i < kInt8Block; ++i) most = std::fmax(most, std::fabs(src[i]));
+      const float inverse = most > 0.0f ? static_cast<float>(kDigitsTop) / most : 0.0f;
+      int8_t* a = digits + (b * rows + r) * kDigits * kInt8Block;
+      int64_t sum = 0;
+      for (int64_t i = 0; i < kInt8Block; ++i) {
+        const float scaled = src[i] * inverse;  // within kDigitsTop's float, 2^31 - 2^7: below 2^31
+        int32_t v = static_cast<int32_t>(std::lrint(scaled));
+        v = v > kDigitsTop ? kDigitsTop : v < -kDigitsTop ? -kDigitsTop : v;  // x * inverse may round past it
+        sum += v;
+        for (int j = kDigits - 1; j >= 0; --j) {
+          const int32_t digit = j ? ((v + 128) & 255) - 128 : v;
+          a[j * kInt8Block + digit_column(i)] = static_cast<int8_t>(digit);
+          v = (v - digit) / 256;
+        }
+      }
+      const float step = most / static_cast<float>(kDigitsTop);
+      steps[r * nb + b] = step;
+      sums[r * nb + b] = step * static_cast<float>(sum);
+    }
+}
+
+namespace {
+
+// Digits (block_matmul.h): the four digit sums of 16 outputs over one block, D3 (the top digit's)
+// to D0, give v = (256 * D3 + D2) * 65536 + (256 * D1 + D0) (each bracket exact in int32 and in
+// float32, one rounding in the multiply-add), then acc += v * (e * d) and off += m * (e * sum); y =
+// acc + off. Every loop below computes the same integers and then exactly these float steps, block
+// by block, so each gives the portable loop's bits for any row count.
+inline float digit_value(const int32_t* sum) {
+  return std::fma(static_cast<float>(sum[0] * 256 + sum[1]), 65536.0f, static_cast<float>(sum[2] * 256 + sum[3]));
+}
+
+void digits_portable(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
+  const int64_t nb = w.k / kInt8Block;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const int64_t t = n / kScaleTile, o = n % kScaleTile;
+    for (int64_t r = 0; r < in.rows; ++r) {
+      float acc = 0.0f, off = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* codes = w.high + (t * nb + b) * kQuadBytes;
+        const int8_t* a = in.digits + (b * in.rows + r) * kDigits * kInt8Block;
+        int32_t sum[kDigits] = {};
+        for (int64_t at = 0; at < kInt8Block; ++at) {  // group at / 8, half at / 4 % 2, byte at % 4
+          const uint8_t byte = codes[(at / 8) * 64 + 4 * o + at % 4];
+          const int32_t code = (at / 4) % 2 ? byte >> 4 : byte & 15;
+          for (int j = 0; j < kDigits; ++j) sum[j] += code * a[j * kInt8Block + at];
+        }
+        const int64_t s = scale_at(w, b, n);
+        const float e = in.steps[r * nb + b];
+        acc = std::fma(digit_value(sum), e * value(w, w.scale, s), acc);
+        if (w.offset) off = std::fma(value(w, w.offset, s), in.sums[r * nb + b], off);
+      }
+      y[r * w.n + n] = acc + off;
+    }
+  }
+}
+
+// 256 * D_j + D_{j+1} of 16 outputs, from their sums s[0..15] and s[16..31]: exact in float32.
+__attribute__((target(SG_AVX512))) inline __m512 digit_pair(const int32_t* s) {
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(s), 8), _mm512_loadu_si512(s + kScaleTile)));
+}
+
+// One tile's digit sums [rows][4][16] of block b into the rows' float chains, 16 outputs a register.
+__attribute__((target(SG_AVX512))) inline void digits_step512(const BlockWeights& w, const PreparedInput& in,
+                                                            const int32_t* sums, int64_t t, int64_t b, int64_t r0,
+                                                            int rows, __m512* acc, __m512* off) {
+  const int64_t nb = w.k / kInt8Block, at = scale_at(w, b, t * kScaleTile);
+  const __m512 d = sixteen(w, w.scale, at);
+  const __m512 m = w.offset ? sixteen(w, w.offset, at) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    const int32_t* s = sums + r * kDigits * kScaleTile;
+    const __m512 v = _mm512_fmadd_ps(digit_pair(s), _mm512_set1_ps(65536.0f), digit_pair(s + 2 * kScaleTile));
+    const int64_t i = (r0 + r) * nb + b;
+    acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(_mm512_set1_ps(in.steps[i]), d), acc[r]);
+    if (w.offset) off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(in.sums[i]), off[r]);
+  }
+}
+
+__attribute__((target(SG_AVX512))) inline void digits_store512(const BlockWeights& w, float* y, int64_t t,
+                                                             int64_t r0, int rows, const __m512* acc,
+                                                             const __m512* off) {
+  for (int r = 0; r < rows; ++r) {
+    alignas(64) float out[kScaleTile];
+    _mm512_store_ps(out, _mm512_add_ps(acc[r], w.offset ? off[r] : _mm512_setzero_ps()));
+    for (int64_t c = 0; c < kScaleTile && t * kScaleTile + c < w.n; ++c) y[(r0 + r) * w.n + t * kScaleTile + c] = out[c];
+  }
+}
+
+// Without AMX (and for one row, where it is as fast): VNNI's four-byte products, one row at a time
+// (the codes are u8, the digits s8: the integers AMX's tdpbsud gives).
+__attribute__((target(SG_AVX512 ",avx512vnni"))) void digits_vnni(const BlockWeights& w, const PreparedInput& in,
+                                                                 float* y, int64_t n_begin, int64_t n_end) {
+  const int64_t nb = w.k / kInt8Block;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  alignas(64) int32_t sums[kDigits * kScaleTile];
+  for (int64_t t = n_begin / kScaleTile; t * kScaleTile < n_end; ++t) {
+    const uint8_t* codes = w.high + t * nb * kQuadBytes;
+    for (int64_t r = 0; r < in.rows; ++r) {
+      __m512 acc = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* a = in.digits + (b * in.rows + r) * kDigits * kInt8Block;
+        __m512i sum[kDigits];
+        for (auto& v : sum) v = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g) {
+          if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (b + SG_QUADS_AHEAD) * kQuadBytes + g * 64), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(codes + b * kQuadBytes + g * 64);
+          const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          for (int j = 0; j < kDigits; ++j) {
+            int32_t even, odd;
+            std::memcpy(&even, a + j * kInt8Block + 8 * g, 4);
+            std::memcpy(&odd, a + j * kInt8Block + 8 * g + 4, 4);
+            sum[j] = _mm512_dpbusd_epi32(sum[j], low, _mm512_set1_epi32(even));
+            sum[j] = _mm512_dpbusd_epi32(sum[j], high, _mm512_set1_epi32(odd));
+          }
+        }
+        for (int j = 0; j < kDigits; ++j) _mm512_store_si512(sums + j * kScaleTile, sum[j]);
+        digits_step512(w, in, sums, t, b, r, 1, &acc, &off);
+      }
+      digits_store512(w, y, t, r, 1, &acc, &off);
+    }
+  }
+}
+
+// AMX: for each block, tile A holds the digits of up to 4 rows (4 tile rows each, 32 bytes), tile B
+// the block's codes of 16 outputs unpacked to bytes (8 rows of 4 inputs x 16 outputs), and one
+// tdpbsud gives C, every row's four digit sums of the 16 outputs. Two blocks are in flight at once.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) void configure_tiles(int rows) {
+  TileConfig want;
+  for (int set = 0; set < 2; ++set) {
+    want.rows[3 * set] = static_cast<uint8_t>(kDigits * rows);  // C: int32 sums [4 rows a row, 16]
+    want.bytes[3 * set] = 64;
+    want.rows[3 * set + 1] = static_cast<uint8_t>(kDigits * rows);  // A: digits [4 rows a row, 32]
+    want.bytes[3 * set + 1] = 32;
+    want.rows[3 * set + 2] = 8;  // B: codes [8, 16 outputs x 4 inputs]
+    want.bytes[3 * set + 2] = 64;
+  }
+  TileConfig have;
+  _tile_storeconfig(&have);  // a thread keeps its configuration between calls; another user may change it
+  if (std::memcmp(&have, &want, sizeof want) != 0) _tile_loadconfig(&want);
+}
+
+__attribute__((target(SG_AVX512 ",amx-tile,amx-int8"))) void unpack_block(const uint8_t* codes, uint8_t* bytes) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int g = 0; g < 4; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + SG_QUADS_AHEAD * kQuadBytes + g * 64), _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512(codes + g * 64);
+    _mm512_store_si512(bytes + 2 * g * 64, _mm512_and_si512(v, nibble));
+    _mm512_store_si512(bytes + (2 * g + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+  }
+}
+
+template <int R>
+__attribute__((target(SG_AVX512 ",amx-tile,amx-int8"))) void digits_tile_amx(const BlockWeights& w,
+                                                                            const PreparedInput& in, float* y,
+                                                                            int64_t t, int64_t r0) {
+  const int64_t nb = w.k / kInt8Block, stride = kDigits * kInt8Block;
+  const uint8_t* codes = w.high + t * nb * kQuadBytes;
+  alignas(64) uint8_t bytes[2][8 * 64];
+  alignas(64) int32_t sums[2][kDigits * R * kScaleTile];
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    unpack_block(codes + b * kQuadBytes, bytes[0]);
+    unpack_block(codes + (b + 1) * kQuadBytes, bytes[1]);
+    _tile_loadd(1, in.digits + (b * in.rows + r0) * stride, kInt8Block);
+    _tile_loadd(2, bytes[0], 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 1, 2);
+    _tile_loadd(4, in.digits + ((b + 1) * in.rows + r0) * stride, kInt8Block);
+    _tile_loadd(5, bytes[1], 64);
+    _tile_zero(3);
+    _tile_dpbsud(3, 4, 5);
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(3, sums[1], 64);
+    digits_step512(w, in, sums[0], t, b, r0, R, acc, off);
+    digits_step512(w, in, sums[1], t, b + 1, r0, R, acc, off);
+  }
+  if (b < nb) {
+    unpack_block(codes + b * kQuadBytes, bytes[0]);
+    _tile_loadd(1, in.digits + (b * in.rows + r0) * stride, kInt8Block);
+    _tile_loadd(2, bytes[0], 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, sums[0], 64);
+    digits_step512(w, in, sums[0], t, b, r0, R, acc, off);
+  }
+  digits_store512(w, y, t, r0, R, acc, off);
+}
+
+template <int R>
+void digits_tiles_amx(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end,
+                      int64_t r0) {
+  configure_tiles(R);
+  for (int64_t t = n_begin / kScaleTile; t * kScaleTile < n_end; ++t) digits_tile_amx<R>(w, in, y, t, r0);
+}
+
+// Rows in as few groups of at most kDigitRows as there can be, of sizes as even as they can be
+// (5 rows as 3 + 2: each group unpacks every block again), each group over every tile of the range
+// (its codes stay in the core's caches between groups).
+void digits_amx(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
+  const int64_t groups = (in.rows + kDigitRows - 1) / kDigitRows;
+  for (int64_t g = 0, r0 = 0; g < groups; ++g) {
+    const int64_t size = (in.rows - r0) / (groups - g);  // the later groups take the remainder
+    switch (size) {
+      case 1: digits_tiles_amx<1>(w, in, y, n_begin, n_end, r0); break;
+      case 2: digits_tiles_amx<2>(w, in, y, n_begin, n_end, r0); break;
+      case 3: digits_tiles_amx<3>(w, in, y, n_begin, n_end, r0); break;
+      default: digits_tiles_amx<4>(w, in, y, n_begin, n_end, r0); break;
+    }
+    r0 += size;
+  }
+}
+
+}  // namespace
+
 void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
-  if (w.quads && has_vnni()) {
+  if (w.quads && in.digits) {
+    if (has_amx() && in.rows > 1) {  // for one row VNNI's loop is as fast (measured), with the same bits
+      digits_amx(w, in, y, n_begin, n_end);
+    } else if (has_vnni()) {
+      digits_vnni(w, in, y, n_begin, n_end);
+    } else {
+      digits_portable(w, in, y, n_begin, n_end);
+    }
+  } else if (w.quads && has_vnni()) {
     quads512(w, in, y, n_begin, n_end);
   } else if (w.quads && has_avx2()) {
     quads_avx2(w, in, y, n_begin, n_end);
@@ -1097,6 +1402,8 @@ void block_matmul(const BlockWeights& w, const PreparedInput& in, float* y, int6
 }
 
 bool lanes_are_faster(int64_t rows) { return rows == 1 || has_avx512(); }
+
+bool exact_digits_fast() { return has_amx(); }
 
 const char* block_matmul_path() {
   return has_vnni() ? "avx512-vnni" : has_avx512() ? "avx512" : has_avx2() ? "avx2" : "portable";

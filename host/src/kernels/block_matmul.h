@@ -42,6 +42,19 @@
 // with 4 odd ones give 16 outputs' integer sums over the group at once, where pairs take two
 // outputs a register with their scales gathered one by one; the float steps follow the pairs
 // loop's lane order, so quads give its bits (scripts/int8_quads_bench.cpp priced it first).
+//
+// Digits (activation_bits 24, one 4-bit digit in quads, blocks of 32): float32 activations in
+// integers, to float32's own precision. Each block of x is scaled to integers of at most kDigitsTop
+// = 127 * (2^24 + 2^16 + 2^8 + 1) (just under 2^31) in magnitude, v = round(x * kDigitsTop /
+// max|x|), and the step e = max|x| / kDigitsTop. An input within 2^7 of the block's largest scales
+// to at least 2^24, where float32's product x * (kDigitsTop / max|x|) is already an integer: v is
+// that float32 product, and x' = e * v is x to float32's rounding; a smaller input is kept to 2^-31
+// of the largest. v is written as four signed digits, v = 2^24 a3 + 2^16 a2 + 2^8 a1 + a0, each in
+// [-128, 127]. The codes times each digit are exact integer sums (AMX's int8 tile product, or
+// VNNI's four-byte products), combined per block as ((256 D3 + D2) * 65536 + 256 D1 + D0) * e *
+// d_b, plus m_b * e * sum v. The sums are integers, so every loop (AMX, VNNI, portable) and every
+// row count give the same bits. AMX takes the digits of up to 4 rows (16 tile rows) in one
+// product, so a verify call's rows cost little more than one (docs/benchmarks.md).
 #pragma once
 
 #include <cstddef>
@@ -69,6 +82,13 @@ constexpr int64_t kLaneOutputs = 8;  // outputs whose codes share a 32-bit lane
 
 constexpr int64_t kInt8Block = 32;  // inputs that share one int8 step
 constexpr int64_t kQuadBytes = 256;  // a quads tile's bytes per block: 16 outputs x 32 inputs
+constexpr int kDigits = 4;  // int8 digits an input is written in (digits, above)
+constexpr int32_t kDigitsTop = 127 * ((1 << 24) + (1 << 16) + (1 << 8) + 1);  // the largest |v| they hold
+constexpr int64_t kDigitRows = 4;  // rows one AMX product takes (4 digits each, a tile's 16 rows)
+
+// Input i of a block in the digits layout: group g = i / 8 of 8 inputs, its even inputs (the quads'
+// low nibbles) at 8g..8g+3 and its odd ones at 8g+4..8g+7.
+constexpr int64_t digit_column(int64_t i) { return 8 * (i / 8) + 4 * (i % 2) + (i % 8) / 2; }
 
 // x rearranged once per call: each block's even inputs, then its odd ones, and each block's sum.
 // With int8 activations (`codes` set) instead: x quantised, per pair of blocks (a last odd block
@@ -81,6 +101,9 @@ struct PreparedInput {
   const int8_t* codes = nullptr;   // [rows, ceil(K / 64), 64]
   const float* steps = nullptr;    // [rows, ceil(K / 64), 8]: e of a pair's first block in lanes 0-3, second 4-7
   const int32_t* centred = nullptr;  // [rows, ceil(K / 64), 8]: centre * sum q of each block in lanes 0 and 4
+  // With digits (`digits` set): [K / 32, rows, 4, 32] int8, block by block each row's digits from
+  // the top one down, in digit_column order; `steps` [rows, K / 32] each block's e, `sums` e * sum v.
+  const int8_t* digits = nullptr;
 };
 
 // Fill `paired` [rows, K] and `sums` [rows, K / block] from x [rows, K].
@@ -90,6 +113,14 @@ void prepare_input(const float* x, int64_t rows, int64_t k, int64_t block, float
 // K a multiple of 32; `centre`: 8 for one digit, 136 for two.
 void quantise_input(const float* x, int64_t rows, int64_t k, int centre, int8_t* codes, float* steps,
                     int32_t* centred, float* sums);
+
+// Fill `digits`, `steps` [rows, K / 32] and `sums` (the same shape) of a PreparedInput from x [rows, K],
+// K a multiple of 32 (digits, above).
+void digit_input(const float* x, int64_t rows, int64_t k, int8_t* digits, float* steps, float* sums);
+
+// Whether this CPU runs the digits product on AMX (else VNNI's loop, or the portable one, compute the
+// same bits more slowly): a compile stores exact one-digit products as digits only where it does.
+bool exact_digits_fast();
 
 // What a product may compute on its input first, in place of the graph's own nodes
 // (exporters/native_fusion.py): x' [rows, K] = x / sqrt(mean(x^2) + epsilon) * scale per row (an

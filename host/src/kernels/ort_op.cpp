@@ -14,13 +14,14 @@
 // addend, the Add it replaces, to the bit. exporters/native_fusion.py fuses the graph's nodes so.
 // (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit;
 // with lane_bits = 8, wide lanes [ceil(N/4), K, 4] of 8-bit codes, 4 outputs a lane; or, one digit in
-// blocks of 32 at activation_bits 8 only, quads [ceil(N/16), K/32, 256], block_matmul.h)
+// blocks of 32 at activation_bits 8 or 24 only, quads [ceil(N/16), K/32, 256], block_matmul.h)
 // one_row: high's one-digit codes again, in lanes, which a call of one row reads instead (lanes are
 // faster for one row, pairs for several on AVX2, and both round alike, to the bit: a speculative
 // engine's one-token rounds then cost what a `none` engine's steps do; float32 activations only).
 // With AVX-512 lanes are faster at every row count, and every call reads them (lanes_are_faster).
 // activation_bits: 32 (the default) multiplies x as it is; 8 quantises x to int8 per block of 32
-// first (block_size 32, pairs layout only; block_matmul.h).
+// first (block_size 32, pairs or quads); 24 writes x as four int8 digits per block of 32, float32's
+// precision, and multiplies them in integers (block_size 32, quads only; block_matmul.h, digits).
 //
 // d and m are both float32 or both float16 (block_matmul.h).
 //
@@ -177,6 +178,7 @@ OrtStatus* created(K* kernel, OrtStatus* status, void** out) {
 struct Kernel {
   int64_t k = 0, n = 0, block = 0;
   bool int8 = false;  // activation_bits 8
+  bool digits = false;  // activation_bits 24
   bool glu = false;   // x holds a SwiGLU's gate and up halves
   bool wide = false;  // lane_bits 8: the codes are wide lanes
   float epsilon = 0.0f;  // the RMS norm's, when a norm input is given
@@ -226,9 +228,10 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   const bool lanes = high_dims == std::vector<int64_t>{lane_tiles, kernel.k, 4};
   const int64_t tile = sg::kernels::kScaleTile;
   const bool quads = !lanes && high_dims == std::vector<int64_t>{(kernel.n + tile - 1) / tile, nb, sg::kernels::kQuadBytes};
-  if (quads && (!kernel.int8 || kernel.block != sg::kernels::kInt8Block || in[4] || in[7])) {
-    return fail("quads hold one digit in blocks of 32 at int8 activations (activation_bits 8)");
+  if (quads && (!(kernel.int8 || kernel.digits) || kernel.block != sg::kernels::kInt8Block || in[4] || in[7])) {
+    return fail("quads hold one digit in blocks of 32 at activation_bits 8 or 24");
   }
+  if (kernel.digits && !quads) return fail("activation_bits 24 reads one digit in quads [ceil(N/16), K/32, 256]");
   if (kernel.wide && !lanes) return fail("lane_bits 8: the codes are not wide lanes [ceil(N/4), K, 4]");
   if (!lanes && !quads && (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half)) {
     return fail("packed codes are neither [N, K/block, block/2], lanes [ceil(N/8), K, 4] nor quads [ceil(N/16), K/32, 256]");
@@ -302,7 +305,15 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   thread_local std::vector<int32_t> centred;
   sums.resize(static_cast<size_t>(rows * nb));
   sg::kernels::PreparedInput prepared{rows, nullptr, sums.data()};
-  if (kernel.int8) {
+  int64_t outputs = 16;  // a parallel task's
+  if (kernel.digits) {
+    codes.resize(static_cast<size_t>(rows * nb * sg::kernels::kDigits * sg::kernels::kInt8Block));
+    steps.resize(static_cast<size_t>(rows * nb));
+    sg::kernels::digit_input(x, rows, kernel.k, codes.data(), steps.data(), sums.data());
+    prepared.digits = codes.data();
+    prepared.steps = steps.data();
+    outputs = 64;  // AMX's tile configuration is checked once a task
+  } else if (kernel.int8) {
     const size_t pairs = static_cast<size_t>(rows * ((nb + 1) / 2));
     codes.resize(pairs * 64);
     steps.resize(pairs * 8);
@@ -317,7 +328,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
     sg::kernels::prepare_input(x, rows, kernel.k, kernel.block, paired.data(), sums.data());
     prepared.paired = paired.data();
   }
-  Job job{&w, &prepared, y, 16, addend};
+  Job job{&w, &prepared, y, outputs, addend};
   const size_t tiles = static_cast<size_t>((kernel.n + job.tile - 1) / job.tile);
   return g_api.KernelContext_ParallelFor(context, run_tile, tiles, tiles < 8 ? tiles : 8, &job);
 }
@@ -338,7 +349,8 @@ OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void*
       bits = 32;
     }
     kernel->int8 = bits == 8;
-    if (bits != 8 && bits != 32) status = fail("activation_bits must be 32 or 8");
+    kernel->digits = bits == 24;
+    if (bits != 8 && bits != 24 && bits != 32) status = fail("activation_bits must be 32, 24 or 8");
     int64_t lane_bits = 4;
     if (OrtStatus* absent = g_api.KernelInfoGetAttribute_int64(info, "lane_bits", &lane_bits)) g_api.ReleaseStatus(absent);
     kernel->wide = lane_bits == 8;
@@ -351,7 +363,9 @@ OrtStatus* create(const CustomOp*, const void*, const OrtKernelInfo* info, void*
       g_api.ReleaseStatus(absent);
       kernel->epsilon = 0.0f;
     }
-    if (kernel->int8 && kernel->block != sg::kernels::kInt8Block) status = fail("int8 activations take block_size 32");
+    if ((kernel->int8 || kernel->digits) && kernel->block != sg::kernels::kInt8Block) {
+      status = fail("activation_bits 8 and 24 take block_size 32");
+    }
   }
   return created(kernel, status, out);
 }
@@ -675,4 +689,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
 // For tests and tools: which code path the block product takes on this CPU.
 extern "C" __attribute__((visibility("default"))) const char* specgraph_kernels_path() {
   return sg::kernels::block_matmul_path();
+}
+
+// For compiles: whether exact one-digit products should be stored as digits (AMX runs them here).
+extern "C" __attribute__((visibility("default"))) int specgraph_kernels_exact_digits() {
+  return sg::kernels::exact_digits_fast() ? 1 : 0;
 }
