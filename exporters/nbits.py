@@ -91,8 +91,9 @@ def run_weights_as_blocks(
     `one_row`: those of one digit left in pairs also get lanes, which calls of one row read;
     `quads`: those of one digit at int8 activations take quads (a table a Gather also reads keeps its
     pairs for the Gather: a call streams one of the two);
-    `digits`: those of one digit in blocks of 32 at float32 activations take quads too, their input
-    written as four int8 digits (`activation_bits=24`, float32's precision in integers: AMX's).
+    `digits`: those in blocks of 32 at float32 activations take quads too (byte quads for two
+    digits), their input written as four int8 digits (`activation_bits=24`, float32's precision in
+    integers: AMX's).
     An embedding Gather is rewritten when its ids are a graph input [B, T] (the tokens), when its
     table is one the tokens gather or a product multiplies (EAGLE's drafter embeds its drafts
     through the target's table), or when its table's name starts with `tables` (a drafter's own,
@@ -152,7 +153,7 @@ def run_weights_as_blocks(
                     quantised = int8 and all(r.block == NATIVE_INT8_BLOCK for r in runs)
                     table = node.input[1]
                     wide_table = len(runs) == 1 and len(runs[0].digits) == 2 and table in wide_gathers
-                    exact = [digits and not int8 and len(r.digits) == 1 and r.block == NATIVE_INT8_BLOCK for r in runs]
+                    exact = [digits and not int8 and r.block == NATIVE_INT8_BLOCK for r in runs]
                     laned = [
                         not quantised and not exact[i]
                         and (lanes and table not in gathered if len(r.digits) == 1 else wide and (table not in gathered or wide_table))
@@ -166,9 +167,10 @@ def run_weights_as_blocks(
                     new_nodes += _native_nodes(node.name, x, y, runs, graph, laned, quantised, also, quad, exact)
                     report.quads += sum(quad)
                     report.digits += sum(exact)
-                    if table in gathered:
-                        both = [a or b for a, b in zip(quad, exact, strict=True)]
-                        quads_gathered.update(q for r, on in zip(runs, both, strict=True) if on for q, _s in r.digits)
+                    if table in gathered:  # the Gather reads the pairs (a two-digit table's Gathers: the byte quads)
+                        for r, on in zip(runs, [a or b for a, b in zip(quad, exact, strict=True)], strict=True):
+                            if on and not (len(r.digits) == 2 and table in wide_gathers):
+                                quads_gathered.update(q for q, _s in r.digits)
                     report.native += 1
                     report.native_int8 += quantised
                     report.lanes += sum(laned)
@@ -185,11 +187,13 @@ def run_weights_as_blocks(
                 laned_table = (
                     wide and native and not quantised and len(run.digits) == 2 and node.input[0] in wide_gathers
                 )
+                byte_table = laned_table and digits and run.block == NATIVE_INT8_BLOCK  # its product reads byte quads
                 new_nodes += _gather_nodes(
                     node,
                     run,
-                    _native_lanes(graph, run) if laned_table and _native_fits(run) else None,
+                    _native_lanes(graph, run) if laned_table and not byte_table and _native_fits(run) else None,
                     flat=ranks.get(node.input[1]) != 2,
+                    byte_quads=_native_quads(graph, run) if byte_table else None,
                 )
                 report.gathers += 1
                 continue
@@ -338,7 +342,9 @@ def _native_nodes(
         wide = lanes[i] and bool(low)
         if lanes[i]:  # one digit: lanes of 8 outputs; two: wide lanes of 4 (8-bit codes)
             high, low = _native_lanes(graph, run), ""
-        elif (quads and quads[i]) or (digits and digits[i]):
+        elif digits and digits[i]:
+            high, low = _native_quads(graph, run), ""
+        elif quads and quads[i]:
             high = _native_quads(graph, run)
         inputs = [x, high, d, m, low, "", "", _native_lanes(graph, run) if one_row and one_row[i] else ""]
         while inputs[-1] == "":
@@ -409,13 +415,33 @@ def native_quads(packed: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(grouped.transpose(0, 2, 3, 1, 4)).reshape(tiles, nb, half * NATIVE_SCALE_TILE)
 
 
+def native_byte_quads(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Packed two-digit codes (high and low, uint8 [N, K/32, 16] each) -> byte quads uint8
+    [ceil(N/16), K/32, 512] (block_matmul.h): per tile of 16 outputs and block, row j = 2g + h of
+    64 bytes holds byte 4o + i = output o's 8-bit code of input 8g + 2i + h (zero past N)."""
+    n, nb, half = high.shape
+
+    def unpacked(p: np.ndarray) -> np.ndarray:  # [N, K/32, 32]: inputs in order
+        return np.stack([p & 0x0F, p >> 4], axis=3).reshape(n, nb, 2 * half)
+
+    codes = 16 * unpacked(high) + unpacked(low)
+    tiles = -(-n // NATIVE_SCALE_TILE)
+    padded = np.zeros((tiles * NATIVE_SCALE_TILE, nb, 2 * half), np.uint8)
+    padded[:n] = codes
+    # input 8g + 2i + h -> [g, i, h]; wanted [t, b, g, h, o, i]
+    grouped = padded.reshape(tiles, NATIVE_SCALE_TILE, nb, 4, 4, 2)  # [t, o, b, g, i, h]
+    return np.ascontiguousarray(grouped.transpose(0, 2, 3, 5, 1, 4)).reshape(tiles, nb, 16 * 2 * half)
+
+
 def _native_quads(graph: onnx.GraphProto, run: _Digits) -> str:
-    """The quads initializer of a run's one digit, added once."""
+    """The quads initializer of a run's one digit (byte quads for two), added once."""
     high = run.digits[0][0]
     name = f"{high.rsplit('.', 1)[0]}.quads"
     if name not in {t.name for t in graph.initializer}:
-        packed = numpy_helper.to_array(next(t for t in graph.initializer if t.name == high))
-        graph.initializer.append(numpy_helper.from_array(native_quads(packed), name))
+        arrays = {t.name: t for t in graph.initializer}
+        packed = [numpy_helper.to_array(arrays[q]) for q, _s in run.digits]
+        quads = native_quads(packed[0]) if len(packed) == 1 else native_byte_quads(*packed)
+        graph.initializer.append(numpy_helper.from_array(quads, name))
     return name
 
 
@@ -469,10 +495,11 @@ def _sum(terms: list[str], out: str, nodes: list[onnx.NodeProto]) -> str:
 
 
 def _gather_nodes(node: onnx.NodeProto, run: _Digits, lanes: str | None = None,
-                  flat: bool = False) -> list[onnx.NodeProto]:  # fmt: skip
+                  flat: bool = False, byte_quads: str | None = None) -> list[onnx.NodeProto]:  # fmt: skip
     """Embedding rows from the digit buffers: gather packed rows, unpack nibbles, scale, offset.
     `lanes`: a two-digit table's wide lanes instead, each row's bytes gathered and split into the
-    same two digits, so the rows equal the digit buffers' to the bit. The ids are [B, T]; `flat`:
+    same two digits, so the rows equal the digit buffers' to the bit; `byte_quads`: its byte quads
+    instead, alike. The ids are [B, T]; `flat`:
     ids of a rank not known here (computed in the graph), gathered as [1, n] and the rows
     reshaped back to the ids' shape."""
     ids, y, p = node.input[1], node.output[0], node.output[0] + ".q"
@@ -507,10 +534,12 @@ def _gather_nodes(node: onnx.NodeProto, run: _Digits, lanes: str | None = None,
     )
     if lanes is not None:
         nodes += _wide_lane_codes(ids, lanes, run, f"{p}.wide", lead, blocks_shape, const)
+    elif byte_quads is not None:
+        nodes += _byte_quad_codes(ids, byte_quads, run, f"{p}.wide", lead, blocks_shape, const)
     terms = []
     for j, (q, s) in enumerate(run.digits):
         d = f"{p}.d{j}"
-        if lanes is not None:  # digit 0 is the code's high nibble, digit 1 its low one
+        if lanes is not None or byte_quads is not None:  # digit 0 is the code's high nibble, digit 1 its low one
             split = helper.make_node("BitShift", [f"{p}.wide", four], [f"{d}.codes"], direction="RIGHT") if j == 0 else \
                 helper.make_node("BitwiseAnd", [f"{p}.wide", fifteen], [f"{d}.codes"])  # fmt: skip
             nodes.append(split)
@@ -570,4 +599,36 @@ def _wide_lane_codes(ids: str, lanes: str, run: _Digits, out: str, lead: str, bl
         helper.make_node("Reshape", [f"{out}.paired", f"{out}.split_shape"], [f"{out}.halves"]),
         helper.make_node("Transpose", [f"{out}.halves"], [f"{out}.pairs"], perm=[0, 1, 2, 4, 3]),
         helper.make_node("Reshape", [f"{out}.pairs", blocks_shape], [out]),
+    ]
+
+
+def _byte_quad_codes(ids: str, quads: str, run: _Digits, out: str, lead: str, blocks_shape: str,
+                     const: Callable[[str, np.ndarray], str]) -> list[onnx.NodeProto]:  # fmt: skip
+    """`out` [B, T, nb, 32] uint8: the 8-bit codes of rows `ids` [B, T] of a byte-quads table (row
+    n's code of input 32b + 8g + 2i + h is byte 64 (2g + h) + 4 (n % 16) + i of [n / 16, b]), in the
+    inputs' own order."""
+    k = run.cols
+    inputs = np.arange(k)
+    within = inputs % NATIVE_INT8_BLOCK
+    byte = 64 * (2 * (within // 8) + within % 2) + (within % 8) // 2
+    sixteen, four = const("bq.sixteen", np.asarray(16, np.int64)), const("bq.four", np.asarray(4, np.int64))
+    axes = const("bq.axes", np.asarray([2, 3], np.int64))
+    return [
+        helper.make_node("Div", [ids, sixteen], [f"{out}.tile"]),
+        helper.make_node("Mod", [ids, sixteen], [f"{out}.output"]),
+        helper.make_node("Mul", [f"{out}.output", four], [f"{out}.at"]),
+        helper.make_node("Concat", [lead, const("bq.k1", np.asarray([k, 1], np.int64))], [f"{out}.shape"], axis=0),
+        helper.make_node("Unsqueeze", [f"{out}.tile", axes], [f"{out}.tile1"]),
+        helper.make_node("Unsqueeze", [f"{out}.at", axes], [f"{out}.at1"]),
+        helper.make_node("Expand", [f"{out}.tile1", f"{out}.shape"], [f"{out}.tiles"]),  # [B, T, K, 1]
+        helper.make_node(
+            "Expand",
+            [const("bq.block", (inputs // NATIVE_INT8_BLOCK)[:, None].astype(np.int64)), f"{out}.shape"],
+            [f"{out}.blocks"],
+        ),  # fmt: skip
+        helper.make_node("Add", [const("bq.byte", byte[:, None].astype(np.int64)), f"{out}.at1"], [f"{out}.byte1"]),
+        helper.make_node("Expand", [f"{out}.byte1", f"{out}.shape"], [f"{out}.bytes"]),
+        helper.make_node("Concat", [f"{out}.tiles", f"{out}.blocks", f"{out}.bytes"], [f"{out}.index"], axis=-1),
+        helper.make_node("GatherND", [quads, f"{out}.index"], [f"{out}.codes"]),  # [B, T, K]
+        helper.make_node("Reshape", [f"{out}.codes", blocks_shape], [out]),
     ]

@@ -5,6 +5,7 @@ engine, and what cannot run is refused in one line."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -17,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.default_model import read_gguf
 from specgraph.errors import BundleError, InputError
-from specgraph.exporters.nbits import NATIVE_DOMAIN, native_lanes, native_quads, native_scale_tiles
+from specgraph.exporters.nbits import NATIVE_DOMAIN, native_byte_quads, native_lanes, native_quads, native_scale_tiles
 from specgraph.kernels import ENV, code_path, library_path
 from specgraph.runtime import Engine
 from tests.greedy import assert_same_greedy, hf_greedy
@@ -311,6 +312,9 @@ def _product_model(codes: np.ndarray, block: int, layout: str, rng, **attrs) -> 
     norm = attrs.pop("norm", False)
     if layout == "lanes":
         inits, inputs = [numpy_helper.from_array(native_lanes(_pack(codes, block)), "q")], ["x", "q", "d", "m"]
+    elif layout == "quads" and codes.max() >= 16:  # 8-bit codes: byte quads
+        quads = native_byte_quads(_pack(codes >> 4, block), _pack(codes & 15, block))
+        inits, inputs = [numpy_helper.from_array(quads, "q")], ["x", "q", "d", "m"]
     elif layout == "quads":
         inits, inputs = [numpy_helper.from_array(native_quads(_pack(codes, block)), "q")], ["x", "q", "d", "m"]
     elif layout == "wide":
@@ -393,16 +397,18 @@ def _dequantised(model: onnx.ModelProto, codes: np.ndarray) -> np.ndarray:
 
 def test_digits_equal_the_dequantised_product_to_float32_rounding():
     """activation_bits 24 (block_matmul.h, digits): x in four int8 digits a block, the codes' sums
-    in integers. Against float64, over row counts that take one to three AMX groups, output tails
-    and inputs spread over e^8 within a block, the error is float32's: no worse than the float32
-    lanes loop's on the same products (whose d T + c' S form cancels alike: both stay under 4e-6
-    of sum |x w|). A row of a many-row call equals that row computed alone, to the bit."""
+    in integers (4-bit codes in quads, 8-bit ones in byte quads). Against float64, over row counts
+    that take one to three AMX groups, output tails and inputs spread over e^8 within a block, the
+    error is float32's: no worse than the float32 lanes loops' on the same products (whose d T + c'
+    S form cancels alike: all stay under 4e-6 of sum |x w|). A row of a many-row call equals that
+    row computed alone, to the bit."""
     rng = np.random.default_rng(7)
     worst = {"digits": 0.0, "lanes": 0.0}
-    for n, k in ((75, 96), (130, 64), (16, 128), (48, 1536)):
-        codes = rng.integers(0, 16, (n, k))
+    for (n, k), top in itertools.product(((75, 96), (130, 64), (16, 128), (48, 1536)), (16, 256)):
+        codes = rng.integers(0, top, (n, k))
         seed = int(rng.integers(1 << 30))
-        models = {layout: _product_model(codes, 32, "quads" if layout == "digits" else layout,
+        floats = "lanes" if top == 16 else "wide"
+        models = {layout: _product_model(codes, 32, "quads" if layout == "digits" else floats,
                                          np.random.default_rng(seed), **({"activation_bits": 24} if layout == "digits" else {}))
                   for layout in worst}  # fmt: skip
         weight = _dequantised(models["digits"], codes)
@@ -425,8 +431,8 @@ def test_digits_give_the_same_bits_on_every_loop(tmp_path):
     $SPECGRAPH_KERNELS_PORTABLE) give one product, bit for bit: a bundle stored as digits runs on any CPU."""
     rng = np.random.default_rng(9)
     models, feeds = [], []
-    for n, k in ((75, 96), (130, 64), (48, 1536)):
-        model = _product_model(rng.integers(0, 16, (n, k)), 32, "quads", rng, activation_bits=24)
+    for (n, k), top in itertools.product(((75, 96), (130, 64), (48, 1536)), (16, 256)):
+        model = _product_model(rng.integers(0, top, (n, k)), 32, "quads", rng, activation_bits=24)
         for rows in (1, 2, 4, 7):
             models.append(model)
             feeds.append({"x": rng.standard_normal((rows, k)).astype(np.float32)})
@@ -446,7 +452,7 @@ def test_digits_refuse_what_they_cannot_read():
     rng = np.random.default_rng(2)
     codes = rng.integers(0, 16, (16, 64))
     x = {"x": np.ones((1, 64), np.float32)}
-    with pytest.raises(Exception, match=r"activation_bits 24 reads one digit in quads"):
+    with pytest.raises(Exception, match=r"activation_bits 24 reads quads"):
         _run_here(_product_model(codes, 32, "pairs", rng, activation_bits=24), x)
     with pytest.raises(Exception, match="activation_bits 8 and 24 take block_size 32"):
         _run_here(_product_model(codes, 16, "pairs", rng, activation_bits=24), x)
@@ -849,7 +855,7 @@ def test_digits_engines_match_hf_and_their_speculation_their_none(tmp_path, monk
     """Exact one-digit products stored as digits (what a compile does where AMX runs them; forced
     here, so a CPU without AMX tests its own loops): none, lookup and Medusa on a Q4_1 GGUF equal
     HF greedy for 64 tokens, the speculative engines equal none greedy and sampled, the logits of
-    a prompt are the dequantised model's to 1e-4, and the Q8_0 head keeps its wide lanes."""
+    a prompt are the dequantised model's to 1e-4."""
     monkeypatch.setenv("SPECGRAPH_KERNELS_DIGITS", "1")
     path = write_llama_gguf(tmp_path / "m.gguf", "Q4_1", "Q8_0")
     model, _tok = read_gguf(path)
@@ -860,8 +866,9 @@ def test_digits_engines_match_hf_and_their_speculation_their_none(tmp_path, monk
                                        kernels="native", emit_logits=method == "none", **extra))  # fmt: skip
         engines[method] = Engine(tmp_path / method)
         weights = engines[method].manifest["weights"]
-        assert weights["native_digits"] == weights["formats"]["Q4_1"] > 0, method
-        assert weights["native_one_row_lanes"] == 0 and weights["native_lanes"] == weights["formats"]["Q8_0"]
+        # every product, the tied Q8_0 head's in byte quads, which the embedding Gather reads too
+        assert weights["native_digits"] == weights["matmuls"] == sum(weights["formats"].values()) > 0, method
+        assert weights["native_one_row_lanes"] == weights["native_lanes"] == weights["native_quads_gather_bytes"] == 0
     for prompt in PROMPTS:
         want = engines["none"].generate(prompt, max_new_tokens=64, stop_at_eos=False).output_ids
         assert_same_greedy(model, prompt, want, hf_greedy(model, prompt, 64))

@@ -97,6 +97,10 @@ float offset_term(const BlockWeights& w, const float* sums, int64_t n, bool int8
 int code_at(const BlockWeights& w, int64_t n, int64_t i) {
   const int64_t half = w.block / 2, nb = w.k / w.block;
   const int64_t b = i / w.block, j = (i % w.block) / 2;
+  if (w.quads && w.wide) {  // tile n / 16, block b, row 2 ((i % 32) / 8) + i % 2: byte 4 (n % 16) + (i % 8) / 2
+    return w.high[(n / kScaleTile * nb + b) * kByteQuadBytes + (2 * ((i % 32) / 8) + i % 2) * 64 + n % kScaleTile * 4 +
+                  (i % 8) / 2];
+  }
   if (w.quads) {  // tile n / 16, block b, group (i % 32) / 8: byte 4 (n % 16) + (i % 8) / 2, nibble i % 2
     const uint8_t* byte = w.high + (n / kScaleTile * nb + b) * kQuadBytes + (i % 32) / 8 * 64 + n % kScaleTile * 4 +
                           (i % 8) / 2;
@@ -1112,7 +1116,7 @@ namespace {
 // digit_input's arithmetic 16 inputs a register: the block's inputs are first put in digit_column
 // order (the same permutation for both halves), then each lane computes what the portable loop does.
 __attribute__((target(SG_AVX512))) void digit_input512(const float* x, int64_t rows, int64_t k, int8_t* digits,
-                                                      float* steps, float* sums) {
+                                                      float* steps, float* sums, int64_t* whole) {
   const int64_t nb = k / kInt8Block;
   alignas(64) int32_t order[16];
   for (int64_t i = 0; i < 16; ++i) order[digit_column(i)] = static_cast<int32_t>(i);
@@ -1141,14 +1145,15 @@ __attribute__((target(SG_AVX512))) void digit_input512(const float* x, int64_t r
       const float step = most / static_cast<float>(kDigitsTop);
       steps[r * nb + b] = step;
       sums[r * nb + b] = step * static_cast<float>(sum);
+      whole[r * nb + b] = sum;
     }
 }
 
 }  // namespace
 
-void digit_input(const float* x, int64_t rows, int64_t k, int8_t* digits, float* steps, float* sums) {
+void digit_input(const float* x, int64_t rows, int64_t k, int8_t* digits, float* steps, float* sums, int64_t* whole) {
   if (has_avx512()) {
-    digit_input512(x, rows, k, digits, steps, sums);
+    digit_input512(x, rows, k, digits, steps, sums, whole);
     return;
   }
   const int64_t nb = k / kInt8Block;
@@ -1174,6 +1179,7 @@ void digit_input(const float* x, int64_t rows, int64_t k, int8_t* digits, float*
       const float step = most / static_cast<float>(kDigitsTop);
       steps[r * nb + b] = step;
       sums[r * nb + b] = step * static_cast<float>(sum);
+      whole[r * nb + b] = sum;
     }
 }
 
@@ -1188,6 +1194,13 @@ inline float digit_value(const int32_t* sum) {
   return std::fma(static_cast<float>(sum[0] * 256 + sum[1]), 65536.0f, static_cast<float>(sum[2] * 256 + sum[3]));
 }
 
+// For 8-bit codes (byte quads) the sums reach 32 * 128 * 255, so v is formed in int64, centred on
+// 136 as two-digit products are (block_matmul.h): sum v * (code - 136), exact, in one rounding.
+inline float byte_value(const int32_t* sum, int64_t whole) {
+  const int64_t v = (static_cast<int64_t>(sum[0] * 256 + sum[1]) << 16) + (sum[2] * 256 + sum[3]) - kByteCentre * whole;
+  return static_cast<float>(v);
+}
+
 void digits_portable(const BlockWeights& w, const PreparedInput& in, float* y, int64_t n_begin, int64_t n_end) {
   const int64_t nb = w.k / kInt8Block;
   for (int64_t n = n_begin; n < n_end; ++n) {
@@ -1195,28 +1208,34 @@ void digits_portable(const BlockWeights& w, const PreparedInput& in, float* y, i
     for (int64_t r = 0; r < in.rows; ++r) {
       float acc = 0.0f, off = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* codes = w.high + (t * nb + b) * kQuadBytes;
         const int8_t* a = in.digits + (b * in.rows + r) * kDigits * kInt8Block;
         int32_t sum[kDigits] = {};
         for (int64_t at = 0; at < kInt8Block; ++at) {  // group at / 8, half at / 4 % 2, byte at % 4
-          const uint8_t byte = codes[(at / 8) * 64 + 4 * o + at % 4];
-          const int32_t code = (at / 4) % 2 ? byte >> 4 : byte & 15;
+          const int32_t code = code_at(w, n, b * kInt8Block + 8 * (at / 8) + 2 * (at % 4) + (at / 4) % 2);
           for (int j = 0; j < kDigits; ++j) sum[j] += code * a[j * kInt8Block + at];
         }
         const int64_t s = scale_at(w, b, n);
-        const float e = in.steps[r * nb + b];
-        acc = std::fma(digit_value(sum), e * value(w, w.scale, s), acc);
-        if (w.offset) off = std::fma(value(w, w.offset, s), in.sums[r * nb + b], off);
+        const float e = in.steps[r * nb + b], d = value(w, w.scale, s);
+        const float m = w.offset ? value(w, w.offset, s) : 0.0f;
+        if (w.wide) {
+          acc = std::fma(byte_value(sum, in.whole[r * nb + b]), e * d, acc);
+          off = std::fma(std::fma(static_cast<float>(kByteCentre), d, m), in.sums[r * nb + b], off);
+        } else {
+          acc = std::fma(digit_value(sum), e * d, acc);
+          if (w.offset) off = std::fma(m, in.sums[r * nb + b], off);
+        }
       }
       y[r * w.n + n] = acc + off;
     }
   }
 }
 
-// 256 * D_j + D_{j+1} of 16 outputs, from their sums s[0..15] and s[16..31]: exact in float32.
-__attribute__((target(SG_AVX512))) inline __m512 digit_pair(const int32_t* s) {
-  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(s), 8), _mm512_loadu_si512(s + kScaleTile)));
+// 256 * D_j + D_{j+1} of 16 outputs, from their sums s[0..15] and s[16..31]: exact in int32, and
+// (for 4-bit codes) in float32.
+__attribute__((target(SG_AVX512))) inline __m512i pair32(const int32_t* s) {
+  return _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(s), 8), _mm512_loadu_si512(s + kScaleTile));
 }
+__attribute__((target(SG_AVX512))) inline __m512 digit_pair(const int32_t* s) { return _mm512_cvtepi32_ps(pair32(s)); }
 
 // One tile's digit sums [rows][4][16] of block b into the rows' float chains, 16 outputs a register.
 __attribute__((target(SG_AVX512))) inline void digits_step512(const BlockWeights& w, const PreparedInput& in,
@@ -1225,10 +1244,25 @@ __attribute__((target(SG_AVX512))) inline void digits_step512(const BlockWeights
   const int64_t nb = w.k / kInt8Block, at = scale_at(w, b, t * kScaleTile);
   const __m512 d = sixteen(w, w.scale, at);
   const __m512 m = w.offset ? sixteen(w, w.offset, at) : _mm512_setzero_ps();
+  const __m512 shifted = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(kByteCentre)), d, m);  // 8-bit codes' c'
   for (int r = 0; r < rows; ++r) {
     const int32_t* s = sums + r * kDigits * kScaleTile;
-    const __m512 v = _mm512_fmadd_ps(digit_pair(s), _mm512_set1_ps(65536.0f), digit_pair(s + 2 * kScaleTile));
     const int64_t i = (r0 + r) * nb + b;
+    if (w.wide) {  // byte_value, 8 outputs an int64 register
+      const __m512i high = pair32(s), low = pair32(s + 2 * kScaleTile);
+      const __m512i centre = _mm512_set1_epi64(kByteCentre * in.whole[i]);
+      const __m512i h0 = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(high));
+      const __m512i h1 = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(high, 1));
+      const __m512i l0 = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(low));
+      const __m512i l1 = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(low, 1));
+      const __m256 v0 = _mm512_cvtepi64_ps(_mm512_sub_epi64(_mm512_add_epi64(_mm512_slli_epi64(h0, 16), l0), centre));
+      const __m256 v1 = _mm512_cvtepi64_ps(_mm512_sub_epi64(_mm512_add_epi64(_mm512_slli_epi64(h1, 16), l1), centre));
+      const __m512 v = _mm512_insertf32x8(_mm512_castps256_ps512(v0), v1, 1);
+      acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(_mm512_set1_ps(in.steps[i]), d), acc[r]);
+      off[r] = _mm512_fmadd_ps(shifted, _mm512_set1_ps(in.sums[i]), off[r]);
+      continue;
+    }
+    const __m512 v = _mm512_fmadd_ps(digit_pair(s), _mm512_set1_ps(65536.0f), digit_pair(s + 2 * kScaleTile));
     acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(_mm512_set1_ps(in.steps[i]), d), acc[r]);
     if (w.offset) off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(in.sums[i]), off[r]);
   }
@@ -1252,7 +1286,7 @@ __attribute__((target(SG_AVX512 ",avx512vnni"))) void digits_vnni(const BlockWei
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   alignas(64) int32_t sums[kDigits * kScaleTile];
   for (int64_t t = n_begin / kScaleTile; t * kScaleTile < n_end; ++t) {
-    const uint8_t* codes = w.high + t * nb * kQuadBytes;
+    const uint8_t* codes = w.high + t * nb * (w.wide ? kByteQuadBytes : kQuadBytes);
     for (int64_t r = 0; r < in.rows; ++r) {
       __m512 acc = _mm512_setzero_ps(), off = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
@@ -1260,9 +1294,19 @@ __attribute__((target(SG_AVX512 ",avx512vnni"))) void digits_vnni(const BlockWei
         __m512i sum[kDigits];
         for (auto& v : sum) v = _mm512_setzero_si512();
         for (int g = 0; g < 4; ++g) {
-          if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (b + SG_QUADS_AHEAD) * kQuadBytes + g * 64), _MM_HINT_T0);
-          const __m512i v = _mm512_loadu_si512(codes + b * kQuadBytes + g * 64);
-          const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          __m512i low, high;
+          if (w.wide) {  // rows 2g and 2g + 1 of the block's byte quads
+            const uint8_t* line = codes + b * kByteQuadBytes + 2 * g * 64;
+            if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(line + SG_QUADS_AHEAD * kByteQuadBytes), _MM_HINT_T0);
+            if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(line + SG_QUADS_AHEAD * kByteQuadBytes + 64), _MM_HINT_T0);
+            low = _mm512_loadu_si512(line);
+            high = _mm512_loadu_si512(line + 64);
+          } else {
+            if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (b + SG_QUADS_AHEAD) * kQuadBytes + g * 64), _MM_HINT_T0);
+            const __m512i v = _mm512_loadu_si512(codes + b * kQuadBytes + g * 64);
+            low = _mm512_and_si512(v, nibble);
+            high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          }
           for (int j = 0; j < kDigits; ++j) {
             int32_t even, odd;
             std::memcpy(&even, a + j * kInt8Block + 8 * g, 4);
@@ -1318,38 +1362,57 @@ template <int R>
 __attribute__((target(SG_AVX512 ",amx-tile,amx-int8"))) void digits_tile_amx(const BlockWeights& w,
                                                                             const PreparedInput& in, float* y,
                                                                             int64_t t, int64_t r0) {
-  const int64_t nb = w.k / kInt8Block, stride = kDigits * kInt8Block;
-  const uint8_t* codes = w.high + t * nb * kQuadBytes;
-  alignas(64) uint8_t bytes[2][8 * 64];
-  alignas(64) int32_t sums[2][kDigits * R * kScaleTile];
+  // A software pipeline over pairs of blocks: while the tiles take pair p, the codes of pair p + 1
+  // are unpacked and the sums of pair p - 1 are read back (a tile's store, or the unpacked codes'
+  // stores, read at once stalled the loop: the unpacking and the read-back each cost about as much
+  // as the products, measured). The float steps still run block by block in order.
+  const int64_t nb = w.k / kInt8Block, stride = kDigits * kInt8Block, pairs = (nb + 1) / 2;
+  const int64_t per = w.wide ? kByteQuadBytes : kQuadBytes;
+  const uint8_t* codes = w.high + t * nb * per;
+  alignas(64) uint8_t bytes[2][2][8 * 64];
+  alignas(64) int32_t sums[2][2][kDigits * R * kScaleTile];
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    unpack_block(codes + b * kQuadBytes, bytes[0]);
-    unpack_block(codes + (b + 1) * kQuadBytes, bytes[1]);
+  const auto tile_b = [&](int64_t b, int slot, int half) -> const uint8_t* {  // 8-bit codes: B as stored
+    return w.wide ? codes + b * per : bytes[slot][half];
+  };
+  const auto unpack_pair = [&](int64_t p, int slot) {
+    for (int64_t h = 0; h < 2 && 2 * p + h < nb; ++h) {
+      const uint8_t* block = codes + (2 * p + h) * per;
+      if (w.wide) {
+        for (int line = 0; line < 8; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(block + SG_QUADS_AHEAD * per + 64 * line), _MM_HINT_T0);
+      } else {
+        unpack_block(block, bytes[slot][h]);
+      }
+    }
+  };
+  unpack_pair(0, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int slot = static_cast<int>(p % 2);
+    const int64_t b = 2 * p;
+    if (p + 1 < pairs) unpack_pair(p + 1, 1 - slot);
     _tile_loadd(1, in.digits + (b * in.rows + r0) * stride, kInt8Block);
-    _tile_loadd(2, bytes[0], 64);
+    _tile_loadd(2, tile_b(b, slot, 0), 64);
     _tile_zero(0);
     _tile_dpbsud(0, 1, 2);
-    _tile_loadd(4, in.digits + ((b + 1) * in.rows + r0) * stride, kInt8Block);
-    _tile_loadd(5, bytes[1], 64);
-    _tile_zero(3);
-    _tile_dpbsud(3, 4, 5);
-    _tile_stored(0, sums[0], 64);
-    _tile_stored(3, sums[1], 64);
-    digits_step512(w, in, sums[0], t, b, r0, R, acc, off);
-    digits_step512(w, in, sums[1], t, b + 1, r0, R, acc, off);
+    if (b + 1 < nb) {
+      _tile_loadd(4, in.digits + ((b + 1) * in.rows + r0) * stride, kInt8Block);
+      _tile_loadd(5, tile_b(b + 1, slot, 1), 64);
+      _tile_zero(3);
+      _tile_dpbsud(3, 4, 5);
+    }
+    _tile_stored(0, sums[slot][0], 64);
+    if (b + 1 < nb) _tile_stored(3, sums[slot][1], 64);
+    if (p > 0) {
+      digits_step512(w, in, sums[1 - slot][0], t, b - 2, r0, R, acc, off);
+      digits_step512(w, in, sums[1 - slot][1], t, b - 1, r0, R, acc, off);
+    }
   }
-  if (b < nb) {
-    unpack_block(codes + b * kQuadBytes, bytes[0]);
-    _tile_loadd(1, in.digits + (b * in.rows + r0) * stride, kInt8Block);
-    _tile_loadd(2, bytes[0], 64);
-    _tile_zero(0);
-    _tile_dpbsud(0, 1, 2);
-    _tile_stored(0, sums[0], 64);
-    digits_step512(w, in, sums[0], t, b, r0, R, acc, off);
-  }
+  const int64_t last = 2 * (pairs - 1);
+  const int slot = static_cast<int>((pairs - 1) % 2);
+  digits_step512(w, in, sums[slot][0], t, last, r0, R, acc, off);
+  if (last + 1 < nb) digits_step512(w, in, sums[slot][1], t, last + 1, r0, R, acc, off);
   digits_store512(w, y, t, r0, R, acc, off);
 }
 

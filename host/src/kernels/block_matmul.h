@@ -55,6 +55,11 @@
 // d_b, plus m_b * e * sum v. The sums are integers, so every loop (AMX, VNNI, portable) and every
 // row count give the same bits. AMX takes the digits of up to 4 rows (16 tile rows) in one
 // product, so a verify call's rows cost little more than one (docs/benchmarks.md).
+// Byte quads (digits only) hold 8-bit codes (two digits, 16 * high + low, Q8_0's) the same way, a
+// byte each: block by block, row j = 2g + h of 64 bytes holds byte 4o + i = output o's code of input
+// 8g + 2i + h, which is AMX's B tile as stored (no unpacking) and VNNI's operand as loaded. Their
+// digit sums reach 32 * 128 * 255, so v = sum x_int * (code - 136) is formed in int64 (exact) and
+// rounded once; y = sum_b e_b d_b v_b + (m_b + 136 d_b) e_b sum x_int.
 #pragma once
 
 #include <cstddef>
@@ -74,14 +79,17 @@ struct BlockWeights {
   const void* offset = nullptr;    // m, the same layout, or nullptr when every m is zero
   bool half = false;               // d and m are float16 (else float32)
   bool lanes = false;              // `high` holds lanes [ceil(N / 8), K] of 8 outputs' codes (one digit)
-  bool wide = false;               // with lanes: 8-bit codes (two digits' worth), [ceil(N / 4), K], 4 a lane
-  bool quads = false;              // `high` holds quads [ceil(N / 16), K / 32, 256] (one digit, int8 activations)
+  bool wide = false;               // with lanes: 8-bit codes (two digits' worth), [ceil(N / 4), K], 4 a lane;
+                                   // with quads (digits only): byte quads [ceil(N / 16), K / 32, 512]
+  bool quads = false;              // `high` holds quads [ceil(N / 16), K / 32, 256] (one digit, int8 activations or digits)
 };
 
 constexpr int64_t kLaneOutputs = 8;  // outputs whose codes share a 32-bit lane
 
 constexpr int64_t kInt8Block = 32;  // inputs that share one int8 step
 constexpr int64_t kQuadBytes = 256;  // a quads tile's bytes per block: 16 outputs x 32 inputs
+constexpr int64_t kByteQuadBytes = 512;  // a byte quads tile's bytes per block: 16 outputs x 32 8-bit codes
+constexpr int64_t kByteCentre = 136;  // the centre of 8-bit codes (two digits), as for the other layouts
 constexpr int kDigits = 4;  // int8 digits an input is written in (digits, above)
 constexpr int32_t kDigitsTop = 127 * ((1 << 24) + (1 << 16) + (1 << 8) + 1);  // the largest |v| they hold
 constexpr int64_t kDigitRows = 4;  // rows one AMX product takes (4 digits each, a tile's 16 rows)
@@ -102,8 +110,10 @@ struct PreparedInput {
   const float* steps = nullptr;    // [rows, ceil(K / 64), 8]: e of a pair's first block in lanes 0-3, second 4-7
   const int32_t* centred = nullptr;  // [rows, ceil(K / 64), 8]: centre * sum q of each block in lanes 0 and 4
   // With digits (`digits` set): [K / 32, rows, 4, 32] int8, block by block each row's digits from
-  // the top one down, in digit_column order; `steps` [rows, K / 32] each block's e, `sums` e * sum v.
+  // the top one down, in digit_column order; `steps` [rows, K / 32] each block's e, `sums` e * sum v,
+  // `whole` sum v itself (int64).
   const int8_t* digits = nullptr;
+  const int64_t* whole = nullptr;
 };
 
 // Fill `paired` [rows, K] and `sums` [rows, K / block] from x [rows, K].
@@ -116,7 +126,7 @@ void quantise_input(const float* x, int64_t rows, int64_t k, int centre, int8_t*
 
 // Fill `digits`, `steps` [rows, K / 32] and `sums` (the same shape) of a PreparedInput from x [rows, K],
 // K a multiple of 32 (digits, above).
-void digit_input(const float* x, int64_t rows, int64_t k, int8_t* digits, float* steps, float* sums);
+void digit_input(const float* x, int64_t rows, int64_t k, int8_t* digits, float* steps, float* sums, int64_t* whole);
 
 // Whether this CPU runs the digits product on AMX (else VNNI's loop, or the portable one, compute the
 // same bits more slowly): a compile stores exact one-digit products as digits only where it does.

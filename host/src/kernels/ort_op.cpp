@@ -14,7 +14,8 @@
 // addend, the Add it replaces, to the bit. exporters/native_fusion.py fuses the graph's nodes so.
 // (high may instead be lanes, uint8 [ceil(N/8), K, 4]: 8 outputs' codes a 32-bit lane, no low digit;
 // with lane_bits = 8, wide lanes [ceil(N/4), K, 4] of 8-bit codes, 4 outputs a lane; or, one digit in
-// blocks of 32 at activation_bits 8 or 24 only, quads [ceil(N/16), K/32, 256], block_matmul.h)
+// blocks of 32 at activation_bits 8 or 24 only, quads [ceil(N/16), K/32, 256]; or, 8-bit codes in
+// blocks of 32 at activation_bits 24 only, byte quads [ceil(N/16), K/32, 512], block_matmul.h)
 // one_row: high's one-digit codes again, in lanes, which a call of one row reads instead (lanes are
 // faster for one row, pairs for several on AVX2, and both round alike, to the bit: a speculative
 // engine's one-token rounds then cost what a `none` engine's steps do; float32 activations only).
@@ -228,12 +229,19 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   const bool lanes = high_dims == std::vector<int64_t>{lane_tiles, kernel.k, 4};
   const int64_t tile = sg::kernels::kScaleTile;
   const bool quads = !lanes && high_dims == std::vector<int64_t>{(kernel.n + tile - 1) / tile, nb, sg::kernels::kQuadBytes};
+  const bool byte_quads =
+      !lanes && high_dims == std::vector<int64_t>{(kernel.n + tile - 1) / tile, nb, sg::kernels::kByteQuadBytes};
+  if (byte_quads && (!kernel.digits || kernel.block != sg::kernels::kInt8Block || in[4] || in[7])) {
+    return fail("byte quads hold 8-bit codes in blocks of 32 at activation_bits 24");
+  }
   if (quads && (!(kernel.int8 || kernel.digits) || kernel.block != sg::kernels::kInt8Block || in[4] || in[7])) {
     return fail("quads hold one digit in blocks of 32 at activation_bits 8 or 24");
   }
-  if (kernel.digits && !quads) return fail("activation_bits 24 reads one digit in quads [ceil(N/16), K/32, 256]");
+  if (kernel.digits && !quads && !byte_quads) {
+    return fail("activation_bits 24 reads quads [ceil(N/16), K/32, 256] or byte quads [ceil(N/16), K/32, 512]");
+  }
   if (kernel.wide && !lanes) return fail("lane_bits 8: the codes are not wide lanes [ceil(N/4), K, 4]");
-  if (!lanes && !quads && (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half)) {
+  if (!lanes && !quads && !byte_quads && (high_dims.size() != 3 || high_dims[0] != kernel.n || high_dims[1] != nb || high_dims[2] != half)) {
     return fail("packed codes are neither [N, K/block, block/2], lanes [ceil(N/8), K, 4] nor quads [ceil(N/16), K/32, 256]");
   }
   if (lanes && in[4]) return fail("lanes hold one digit: a low digit cannot go with them");
@@ -269,8 +277,8 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   if (in[3]) SG_TRY(data_of(in[3], &w.offset));
   w.half = scale_type == kHalf;
   w.lanes = lanes || one_row;
-  w.quads = quads;
-  w.wide = kernel.wide;
+  w.quads = quads || byte_quads;
+  w.wide = kernel.wide || byte_quads;
   if (in[4]) SG_TRY(data_of(in[4], &w.low));
 
   std::vector<int64_t> y_dims(x_dims);
@@ -303,14 +311,17 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   }
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<int32_t> centred;
+  thread_local std::vector<int64_t> whole;
   sums.resize(static_cast<size_t>(rows * nb));
   sg::kernels::PreparedInput prepared{rows, nullptr, sums.data()};
   int64_t outputs = 16;  // a parallel task's
   if (kernel.digits) {
     codes.resize(static_cast<size_t>(rows * nb * sg::kernels::kDigits * sg::kernels::kInt8Block));
     steps.resize(static_cast<size_t>(rows * nb));
-    sg::kernels::digit_input(x, rows, kernel.k, codes.data(), steps.data(), sums.data());
+    whole.resize(static_cast<size_t>(rows * nb));
+    sg::kernels::digit_input(x, rows, kernel.k, codes.data(), steps.data(), sums.data(), whole.data());
     prepared.digits = codes.data();
+    prepared.whole = whole.data();
     prepared.steps = steps.data();
     outputs = 64;  // AMX's tile configuration is checked once a task
   } else if (kernel.int8) {
