@@ -494,6 +494,9 @@ def _kernels_note(w: dict[str, Any]) -> str:
     if w.get("kernels") != "native":
         return ""
     what = "the products and the attention" if w.get("stored") == "blocks" else "the attention"
+    if w.get("native_digits"):
+        what = (f"the products ({w['native_digits']} of them in integer digits for AMX's tiles, exact; "
+                f"the same bits on any CPU) and the attention")  # fmt: skip
     return f"; native kernels for {what} (runs where libspecgraph_kernels.so is: --kernels ort for any ONNX Runtime)"
 
 

@@ -115,7 +115,9 @@ def store_weights(
     other engine keeps them in pairs for its verify calls and stores them in lanes too for its
     one-token calls (the same arithmetic to the bit, twice the one-digit bytes on disk and in
     memory, each call reading one copy); two-digit codes take wide lanes in every native engine
-    (faster at 1 and 4 rows alike)."""
+    (faster at 1 and 4 rows alike). Where the CPU has AMX (`kernels.exact_digits()`), every product
+    of 32-weight blocks at float32 activations instead takes quads (byte quads for two digits) at
+    `activation_bits=24`, its input in four int8 digits, one layout for every call width."""
     from specgraph import blocks
     from specgraph.exporters.attention import run_attention_natively
     from specgraph.exporters.native_fusion import fuse_into_block_matmuls
