@@ -1244,7 +1244,8 @@ __attribute__((target(SG_AVX512))) inline void digits_step512(const BlockWeights
   const int64_t nb = w.k / kInt8Block, at = scale_at(w, b, t * kScaleTile);
   const __m512 d = sixteen(w, w.scale, at);
   const __m512 m = w.offset ? sixteen(w, w.offset, at) : _mm512_setzero_ps();
-  const __m512 shifted = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(kByteCentre)), d, m);  // 8-bit codes' c'
+  const __m512 shifted =  // 8-bit codes' c' (m + 136 d); 4-bit ones take m as it is
+      w.wide ? _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(kByteCentre)), d, m) : m;
   for (int r = 0; r < rows; ++r) {
     const int32_t* s = sums + r * kDigits * kScaleTile;
     const int64_t i = (r0 + r) * nb + b;
@@ -1348,7 +1349,7 @@ __attribute__((target("amx-tile"))) void configure_tiles(int rows) {
   if (std::memcmp(&have, &want, sizeof want) != 0) _tile_loadconfig(&want);
 }
 
-__attribute__((target(SG_AVX512 ",amx-tile,amx-int8"))) void unpack_block(const uint8_t* codes, uint8_t* bytes) {
+__attribute__((target(SG_AVX512))) void unpack_block(const uint8_t* codes, uint8_t* bytes) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int g = 0; g < 4; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(codes + SG_QUADS_AHEAD * kQuadBytes + g * 64), _MM_HINT_T0);
