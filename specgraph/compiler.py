@@ -23,6 +23,7 @@ from specgraph.anatomy import Anatomy, analyze
 from specgraph.capture import capture
 from specgraph.errors import InputError
 from specgraph.exporters.manifest import describe_values, write_manifest
+from specgraph.exporters.nbits import NATIVE_DOMAIN
 from specgraph.exporters.onnx import export_onnx
 from specgraph.kernels import resolve as resolve_kernels
 from specgraph.loaders import LoadedModel, load_model, save_tokenizer, source_path
@@ -247,6 +248,8 @@ def _stage(loaded: LoadedModel, cfg: CompileConfig, staging: Path, say: Callable
                             skip=built.meta.get("weights_skip"), one_token=not cfg.spec.speculative,
                             kernels=kernels)  # fmt: skip
     times["weights"] = times.get("weights", 0.0) + time.perf_counter() - t0
+    if any(node.domain == NATIVE_DOMAIN for node in model_proto.graph.node):  # a method's own native operator
+        weights["kernels"] = "native"
     built.meta["kernels"] = weights.get("kernels", "ort")  # native: the bundle loads specgraph's kernel library
     built.meta["weights"] = weights  # the target's, as the manifest gives them (a method's finish may weigh them)
     tokenizer = _copy_tokenizer(loaded, staging)

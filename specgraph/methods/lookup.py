@@ -14,6 +14,12 @@ this engine's own verify cost measured at compile time (`lookup_cost`, relative 
 that sent no draft still learns: the next call checks the first draft it withheld against the
 token that was committed there (`lookup_last`). Lossless either way: the count only decides how
 many drafts the next call verifies.
+
+With native kernels (`--kernels native`, or `auto` where the library is built) the adaptive round
+is one `specgraph.LookupRound` node (host/src/kernels/lookup.h: the same integers and float32
+steps in the same order) instead of the ~200 nodes its graph takes, whose overhead cost 8% of a
+one-token call at the default model's stored weights; `--kernels ort` keeps the graph, which any
+ONNX Runtime runs.
 """
 
 from __future__ import annotations
@@ -23,11 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxscript
 import torch
+from onnx import defs
 
 from specgraph.errors import InputError
+from specgraph.exporters.nbits import NATIVE_DOMAIN
 from specgraph.methods.base import NUM_DRAFT_HELP, Built, Finished, Measure, Method, Options, count_or_auto
 from specgraph.methods.draft import add_adaptive_flag
+from specgraph.ops import ONNX_TRANSLATIONS
 from specgraph.step import StepEngine
 
 _I64 = torch.int64
@@ -61,11 +71,13 @@ class LookupOptions(Options):
 class LookupStepEngine(StepEngine):
     trims = {"next_tokens": "n_draft"}  # bind next_tokens[:, :1 + max(n_draft)] only
 
-    def __init__(self, *args: Any, num_draft: int, max_ngram: int, adaptive: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, num_draft: int, max_ngram: int, adaptive: bool = False, native: bool = False,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.num_draft = num_draft
         self.max_ngram = max_ngram
         self.adaptive = adaptive
+        self.native = native and adaptive  # the round as one `specgraph.LookupRound` node
         adapt = ADAPT_STATE if adaptive else ()
         self.state_inputs = ("history", *adapt)
         self.draft_outputs = ("history_out", *(f"{n}_out" for n in adapt), "n_draft")
@@ -77,16 +89,12 @@ class LookupStepEngine(StepEngine):
         return [torch.zeros(batch, self.max_context + 1, dtype=_I64), *adapt]
 
     def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
-        history_out = _record(state[0], tokens, cache_len, bonus, cache_len_out)
-        drafts, n_draft, matched = _lookup_drafts(history_out, cache_len_out, self.num_draft, self.max_ngram)
-        adapt = []
-        if self.adaptive:
-            stats = _observe(state[1], state[2], tokens, bonus, cache_len_out - cache_len)
-            sent = torch.minimum(n_draft, _draft_count(stats, self.lookup_cost, matched))
-            # the first draft when a match was found but none is sent: the next call checks it
-            withheld = torch.where((sent == 0) & (n_draft > 0), drafts[:, 0] + 1, torch.zeros_like(sent))
-            adapt, n_draft = [stats, torch.stack([sent, withheld, matched], dim=1)], sent
-        return torch.cat([bonus, drafts], dim=1), [history_out, *adapt, n_draft]  # next_tokens [B, 1+K]
+        if self.native:
+            *outs, n_draft = torch.ops.specgraph.lookup_round(state[0], tokens, cache_len, bonus, cache_len_out, state[1],
+                                                              state[2], self.lookup_cost, self.num_draft, self.max_ngram)  # fmt: skip
+            return outs[0], [*outs[1:], n_draft]
+        return _round(state, tokens, cache_len, bonus, cache_len_out, self.num_draft, self.max_ngram,
+                               self.lookup_cost if self.adaptive else None)  # fmt: skip
 
 
 class LookupMethod(Method):
@@ -108,10 +116,12 @@ class LookupMethod(Method):
         add_adaptive_flag(group)
 
     def build(self, gm: torch.fx.GraphModule, anatomy: Any, cfg: Any, drafter: Any, window: int | None) -> Built:
+        from specgraph.kernels import resolve
+
         opts: LookupOptions = cfg.opts
         engine = LookupStepEngine(gm, anatomy.num_layers, cfg.max_context, window, cfg.emit_logits,
                                   cfg.engine_samples, num_draft=opts.num_draft, max_ngram=opts.max_ngram,
-                                  adaptive=opts.adaptive)  # fmt: skip
+                                  adaptive=opts.adaptive, native=resolve(cfg.kernels) == "native")  # fmt: skip
         return Built(engine)
 
     def stages(self, options: Any) -> list[str]:
@@ -146,6 +156,68 @@ def _measure_cost(staging: Path, engine: Any, num_draft: int) -> dict[str, Any]:
     set_initializer(staging / "model.onnx", "lookup_cost", cost)
     return {"cost": [round(float(c), 3) for c in cost], "c1_ms": round(curve["ms"][1], 2), "context": at,
             "decay": ADAPT_DECAY, "prior_weight": PRIOR_WEIGHT, "first_rate": FIRST_RATE, "per_match_length": True}  # fmt: skip
+
+
+@torch.library.custom_op("specgraph::lookup_round", mutates_args=())
+def lookup_round(
+    history: torch.Tensor, tokens: torch.Tensor, cache_len: torch.Tensor, bonus: torch.Tensor,
+    cache_len_out: torch.Tensor, stats: torch.Tensor, last: torch.Tensor, cost: torch.Tensor, num_draft: int,
+    max_ngram: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The adaptive round (`_round`) as one operator: next_tokens [B, 1+K], history_out,
+    lookup_stats_out, lookup_last_out, n_draft [B]. Exported as `specgraph.LookupRound`."""
+    next_tokens, outs = _round([history, stats, last], tokens, cache_len, bonus, cache_len_out, num_draft, max_ngram,
+                               cost)  # fmt: skip
+    return next_tokens, *(t.clone() for t in outs)  # type: ignore[return-value]
+
+
+@lookup_round.register_fake
+def _lookup_round_fake(history, tokens, cache_len, bonus, cache_len_out, stats, last, cost, num_draft, max_ngram):  # type: ignore[no-untyped-def]
+    state = [torch.empty_like(t) for t in (history, stats, last, cache_len)]  # the last: n_draft [B]
+    return history.new_empty(history.shape[0], num_draft + 1), *state
+
+
+_INT64, _FLOAT = "tensor(int64)", "tensor(float)"
+_LOOKUP_ROUND = onnxscript.values.Op(
+    onnxscript.values.Opset(NATIVE_DOMAIN, 1),
+    "LookupRound",
+    defs.OpSchema(
+        "LookupRound", NATIVE_DOMAIN, 1,
+        inputs=[defs.OpSchema.FormalParameter(name, kind) for name, kind in (
+            ("history", _INT64), ("tokens", _INT64), ("cache_len", _INT64), ("bonus", _INT64),
+            ("cache_len_out", _INT64), ("stats", _FLOAT), ("last", _INT64), ("cost", _FLOAT))],
+        outputs=[defs.OpSchema.FormalParameter(name, kind) for name, kind in (
+            ("next_tokens", _INT64), ("history_out", _INT64), ("stats_out", _FLOAT), ("last_out", _INT64),
+            ("n_draft", _INT64))],
+        attributes=[defs.OpSchema.Attribute("num_draft", defs.OpSchema.AttrType.INT, "K: drafts a round at most"),
+                    defs.OpSchema.Attribute("max_ngram", defs.OpSchema.AttrType.INT, "N: longest n-gram matched")],
+    ),
+)  # fmt: skip
+
+
+def _lookup_round_onnx(history, tokens, cache_len, bonus, cache_len_out, stats, last, cost, num_draft: int,
+                       max_ngram: int):  # type: ignore[no-untyped-def]  # fmt: skip
+    return _LOOKUP_ROUND(history, tokens, cache_len, bonus, cache_len_out, stats, last, cost, num_draft=num_draft,
+                         max_ngram=max_ngram)  # fmt: skip
+
+
+# the exporter's table (specgraph/ops.py) takes lookup's operator from here, where it is defined
+ONNX_TRANSLATIONS[torch.ops.specgraph.lookup_round.default] = _lookup_round_onnx
+
+
+def _round(state, tokens, cache_len, bonus, cache_len_out, num_draft, max_ngram, cost):  # type: ignore[no-untyped-def]
+    """Next round's tokens [B, 1+K] and the draft outputs [history_out, (lookup_stats_out,
+    lookup_last_out,) n_draft]: adaptive where `cost` (c(1 + k) / c(1)) is given."""
+    history_out = _record(state[0], tokens, cache_len, bonus, cache_len_out)
+    drafts, n_draft, matched = _lookup_drafts(history_out, cache_len_out, num_draft, max_ngram)
+    adapt = []
+    if cost is not None:
+        stats = _observe(state[1], state[2], tokens, bonus, cache_len_out - cache_len)
+        sent = torch.minimum(n_draft, _draft_count(stats, cost, matched))
+        # the first draft when a match was found but none is sent: the next call checks it
+        withheld = torch.where((sent == 0) & (n_draft > 0), drafts[:, 0] + 1, torch.zeros_like(sent))
+        adapt, n_draft = [stats, torch.stack([sent, withheld, matched], dim=1)], sent
+    return torch.cat([bonus, drafts], dim=1), [history_out, *adapt, n_draft]  # next_tokens [B, 1+K]
 
 
 def _record(history, tokens, cache_len, bonus, cache_len_out):  # type: ignore[no-untyped-def]

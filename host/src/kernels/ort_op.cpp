@@ -1,6 +1,7 @@
 // specgraph's ONNX Runtime operator library: `specgraph.BlockMatMul`, the block product of
-// block_matmul.h as one node, `specgraph.CachedAttention`, attention.h's cached attention, and
-// `specgraph.CopySlots`, a drafter's cache fill. ONNX Runtime loads it with
+// block_matmul.h as one node, `specgraph.CachedAttention`, attention.h's cached attention,
+// `specgraph.CopySlots`, a drafter's cache fill, and `specgraph.LookupRound`, adaptive prompt
+// lookup's round (lookup.h). ONNX Runtime loads it with
 // RegisterCustomOpsLibrary (Python: SessionOptions.register_custom_ops_library), which calls
 // RegisterCustomOps below.
 //
@@ -46,6 +47,15 @@
 // drafter's caches from the target's (exporters/gate.py), one node where ONNX takes two a cache;
 // in place when the host binds cache_i' onto cache_i (it does), else a copy of cache_i first.
 //
+//   LookupRound(history int64 [B, L], tokens int64 [B, T], cache_len int64 [B], bonus int64 [B, 1],
+//               cache_len_out int64 [B], lookup_stats float [B, N, 2], lookup_last int64 [B, 3],
+//               lookup_cost float [K + 1])
+//     -> next_tokens [B, 1 + K], history', lookup_stats', lookup_last', n_draft [B]
+//                                                         attributes: num_draft (K), max_ngram (N)
+// Adaptive prompt lookup's round (lookup.h): the drafts and the state for the next call, one node
+// where the graph of specgraph/methods/lookup.py takes about 200. The state outputs are written in
+// place when the host binds them onto the inputs (it does), else copies first.
+//
 // As host/src/ort_api.h does, the C API is declared here from its documented ABI (the table's
 // indices and OrtCustomOp's fields), so no ONNX Runtime header is needed to build it.
 #include <climits>
@@ -57,6 +67,7 @@
 #include "../ort_table.h"
 #include "attention.h"
 #include "block_matmul.h"
+#include "lookup.h"
 
 namespace {
 
@@ -664,6 +675,103 @@ CustomOp make_slots_op() {
 
 const CustomOp g_slots_op = make_slots_op();
 
+// ---- LookupRound ----
+
+OrtStatus* lookup_fail(const std::string& message) { return fail(message, "LookupRound"); }
+
+struct LookupKernel {
+  int64_t num_draft = 0, max_ngram = 0;
+};
+
+OrtStatus* lookup_compute(void* kernel_ptr, OrtKernelContext* context) {
+  const LookupKernel& kernel = *static_cast<const LookupKernel*>(kernel_ptr);
+  const OrtValue* in[8] = {};
+  std::vector<int64_t> dims[8];
+  for (size_t i = 0; i < 8; ++i) {
+    SG_TRY(g_api.KernelContext_GetInput(context, i, &in[i]));
+    SG_TRY(shape_of(in[i], dims[i]));
+  }
+  sg::kernels::LookupShape s;
+  s.num_draft = kernel.num_draft;
+  s.max_ngram = kernel.max_ngram;
+  if (dims[0].size() != 2 || dims[1].size() != 2) return lookup_fail("history is not [B, L] or tokens not [B, T]");
+  s.batch = dims[0][0];
+  s.length = dims[0][1];
+  s.tokens = dims[1][1];
+  const std::vector<int64_t> rows{s.batch}, stats{s.batch, s.max_ngram, 2}, last{s.batch, 3};
+  if (dims[1][0] != s.batch || dims[2] != rows || dims[3] != std::vector<int64_t>{s.batch, 1} || dims[4] != rows ||
+      dims[5] != stats || dims[6] != last || dims[7] != std::vector<int64_t>{s.num_draft + 1}) {
+    return lookup_fail("inputs do not have the shapes [B, L], [B, T], [B], [B, 1], [B], [B, N, 2], [B, 3], [K + 1]");
+  }
+  const int64_t *history = nullptr, *tokens = nullptr, *cache_len = nullptr, *bonus = nullptr, *cache_len_out = nullptr,
+                *last_in = nullptr;
+  const float *stats_in = nullptr, *cost = nullptr;
+  SG_TRY(data_of(in[0], &history));
+  SG_TRY(data_of(in[1], &tokens));
+  SG_TRY(data_of(in[2], &cache_len));
+  SG_TRY(data_of(in[3], &bonus));
+  SG_TRY(data_of(in[4], &cache_len_out));
+  SG_TRY(data_of(in[5], &stats_in));
+  SG_TRY(data_of(in[6], &last_in));
+  SG_TRY(data_of(in[7], &cost));
+  const std::vector<int64_t> next{s.batch, s.num_draft + 1};
+  const std::vector<int64_t>* shapes[5] = {&next, &dims[0], &stats, &last, &rows};
+  void* out[5] = {};
+  for (size_t i = 0; i < 5; ++i) {
+    OrtValue* value = nullptr;
+    SG_TRY(g_api.KernelContext_GetOutput(context, i, shapes[i]->data(), shapes[i]->size(), &value));
+    SG_TRY(g_api.GetTensorMutableData(value, &out[i]));
+  }
+  // the state outputs start as their inputs (no copy when the host binds them onto those buffers)
+  auto* history_out = static_cast<int64_t*>(out[1]);
+  auto* stats_out = static_cast<float*>(out[2]);
+  auto* last_out = static_cast<int64_t*>(out[3]);
+  if (history_out != history) std::memcpy(history_out, history, static_cast<size_t>(s.batch * s.length) * sizeof(int64_t));
+  if (stats_out != stats_in) std::memcpy(stats_out, stats_in, static_cast<size_t>(s.batch * s.max_ngram * 2) * sizeof(float));
+  if (last_out != last_in) std::memcpy(last_out, last_in, static_cast<size_t>(s.batch * 3) * sizeof(int64_t));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t sent = sg::kernels::lookup_round(
+        s, history_out + b * s.length, tokens + b * s.tokens, cache_len[b], bonus[b], cache_len_out[b],
+        stats_out + b * s.max_ngram * 2, last_out + b * 3, cost, static_cast<int64_t*>(out[0]) + b * (s.num_draft + 1));
+    if (sent < 0) return lookup_fail("a row's tokens do not fit its history");
+    static_cast<int64_t*>(out[4])[b] = sent;
+  }
+  return nullptr;
+}
+
+OrtStatus* lookup_create(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  auto* kernel = new LookupKernel();
+  OrtStatus* status = g_api.KernelInfoGetAttribute_int64(info, "num_draft", &kernel->num_draft);
+  if (!status) status = g_api.KernelInfoGetAttribute_int64(info, "max_ngram", &kernel->max_ngram);
+  if (!status && (kernel->num_draft < 1 || kernel->max_ngram < 1)) {
+    status = lookup_fail("num_draft and max_ngram must be positive");
+  }
+  return created(kernel, status, out);
+}
+
+const char* lookup_name(const CustomOp*) { return "LookupRound"; }
+int lookup_input_type(const CustomOp*, size_t i) { return i == 5 || i == 7 ? kFloat : kInt64; }
+int lookup_output_type(const CustomOp*, size_t i) { return i == 2 ? kFloat : kInt64; }
+size_t lookup_output_count(const CustomOp*) { return 5; }
+void lookup_destroy(void* kernel) { delete static_cast<LookupKernel*>(kernel); }
+
+int all_required(const CustomOp*, size_t) { return kRequired; }
+
+CustomOp make_lookup_op() {
+  CustomOp op = make_op();
+  op.GetName = lookup_name;
+  op.GetInputType = lookup_input_type;
+  op.GetOutputType = lookup_output_type;
+  op.GetOutputTypeCount = lookup_output_count;
+  op.GetInputCharacteristic = all_required;
+  op.KernelDestroy = lookup_destroy;
+  op.CreateKernelV2 = lookup_create;
+  op.KernelComputeV2 = lookup_compute;
+  return op;
+}
+
+const CustomOp g_lookup_op = make_lookup_op();
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
@@ -691,7 +799,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   OrtCustomOpDomain* domain = nullptr;
   SG_TRY(g_api.CreateCustomOpDomain("specgraph", &domain));
   if (g_api.CustomOpDomain_Add(domain, &g_op) || g_api.CustomOpDomain_Add(domain, &g_attention_op) ||
-      g_api.CustomOpDomain_Add(domain, &g_slots_op)) {
+      g_api.CustomOpDomain_Add(domain, &g_slots_op) || g_api.CustomOpDomain_Add(domain, &g_lookup_op)) {
     return g_api.CreateStatus(kFail, "cannot add specgraph's operators");
   }
   return g_api.AddCustomOpDomain(options, domain);
