@@ -89,12 +89,13 @@ class LookupStepEngine(StepEngine):
         return [torch.zeros(batch, self.max_context + 1, dtype=_I64), *adapt]
 
     def draft(self, state, tokens, cache_len, bonus, cache_len_out, params):  # type: ignore[no-untyped-def]
-        if self.native:
-            *outs, n_draft = torch.ops.specgraph.lookup_round(state[0], tokens, cache_len, bonus, cache_len_out, state[1],
-                                                              state[2], self.lookup_cost, self.num_draft, self.max_ngram)  # fmt: skip
-            return outs[0], [*outs[1:], n_draft]
+        if self.native:  # next_tokens, then history_out, lookup_stats_out, lookup_last_out, n_draft
+            next_tokens, *outs = torch.ops.specgraph.lookup_round(state[0], tokens, cache_len, bonus, cache_len_out,
+                                                                  state[1], state[2], self.lookup_cost, self.num_draft,
+                                                                  self.max_ngram)  # fmt: skip
+            return next_tokens, outs
         return _round(state, tokens, cache_len, bonus, cache_len_out, self.num_draft, self.max_ngram,
-                               self.lookup_cost if self.adaptive else None)  # fmt: skip
+                      self.lookup_cost if self.adaptive else None)  # fmt: skip
 
 
 class LookupMethod(Method):

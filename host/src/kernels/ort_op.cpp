@@ -752,6 +752,7 @@ OrtStatus* lookup_create(const CustomOp*, const void*, const OrtKernelInfo* info
 const char* lookup_name(const CustomOp*) { return "LookupRound"; }
 int lookup_input_type(const CustomOp*, size_t i) { return i == 5 || i == 7 ? kFloat : kInt64; }
 int lookup_output_type(const CustomOp*, size_t i) { return i == 2 ? kFloat : kInt64; }
+size_t lookup_input_count(const CustomOp*) { return 8; }
 size_t lookup_output_count(const CustomOp*) { return 5; }
 void lookup_destroy(void* kernel) { delete static_cast<LookupKernel*>(kernel); }
 
@@ -761,6 +762,7 @@ CustomOp make_lookup_op() {
   CustomOp op = make_op();
   op.GetName = lookup_name;
   op.GetInputType = lookup_input_type;
+  op.GetInputTypeCount = lookup_input_count;
   op.GetOutputType = lookup_output_type;
   op.GetOutputTypeCount = lookup_output_count;
   op.GetInputCharacteristic = all_required;
