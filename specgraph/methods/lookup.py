@@ -137,6 +137,9 @@ class LookupMethod(Method):
             section["adaptive"] = _measure_cost(staging, measure(placeholder), opts.num_draft)
             curve = " ".join(f"{c:g}" for c in section["adaptive"]["cost"])
             summary += f"; each row sends only those that pay (adaptive; c(1+k)/c(1) for k = 0..: {curve})"
+            if built.engine.native:
+                section["native_round"] = True  # the round is one specgraph.LookupRound node
+                summary += "; the round runs as one native node (specgraph.LookupRound)"
         return Finished(section, draft_depth=opts.num_draft, report={**section, "summary": summary})
 
 

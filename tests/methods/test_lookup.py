@@ -45,6 +45,8 @@ def test_native_round_equals_the_graph_call_for_call(tiny_folder, tmp_path):
                                        kernels=kernels))  # fmt: skip
         built[kernels] = _ops(tmp_path / kernels)
     assert built["native"].count("LookupRound") == 1 and "LookupRound" not in built["ort"]
+    sections = {k: Engine(tmp_path / k, verify=False).manifest["lookup"] for k in built}
+    assert sections["native"]["native_round"] is True and "native_round" not in sections["ort"]
     assert len(built["ort"]) - len(built["native"]) > 100  # the nodes the operator replaces
     for i, curve in enumerate(CURVES):
         engines = {k: Engine(with_initializer(tmp_path / k, tmp_path / f"{k}{i}", "lookup_cost",
