@@ -172,7 +172,7 @@ def lookup_round(
     lookup_stats_out, lookup_last_out, n_draft [B]. Exported as `specgraph.LookupRound`."""
     next_tokens, outs = _round([history, stats, last], tokens, cache_len, bonus, cache_len_out, num_draft, max_ngram,
                                cost)  # fmt: skip
-    return next_tokens, *(t.clone() for t in outs)  # type: ignore[return-value]
+    return next_tokens, *outs  # type: ignore[return-value]  # new tensors, none an input
 
 
 @lookup_round.register_fake
@@ -194,7 +194,9 @@ _LOOKUP_ROUND = onnxscript.values.Op(
             ("next_tokens", _INT64), ("history_out", _INT64), ("stats_out", _FLOAT), ("last_out", _INT64),
             ("n_draft", _INT64))],
         attributes=[defs.OpSchema.Attribute("num_draft", defs.OpSchema.AttrType.INT, "K: drafts a round at most"),
-                    defs.OpSchema.Attribute("max_ngram", defs.OpSchema.AttrType.INT, "N: longest n-gram matched")],
+                    defs.OpSchema.Attribute("max_ngram", defs.OpSchema.AttrType.INT, "N: longest n-gram matched"),
+                    *(defs.OpSchema.Attribute(name, defs.OpSchema.AttrType.FLOAT, "the adaptive rule's")
+                      for name in ("decay", "prior_weight", "first_rate"))],
     ),
 )  # fmt: skip
 
@@ -202,7 +204,7 @@ _LOOKUP_ROUND = onnxscript.values.Op(
 def _lookup_round_onnx(history, tokens, cache_len, bonus, cache_len_out, stats, last, cost, num_draft: int,
                        max_ngram: int):  # type: ignore[no-untyped-def]  # fmt: skip
     return _LOOKUP_ROUND(history, tokens, cache_len, bonus, cache_len_out, stats, last, cost, num_draft=num_draft,
-                         max_ngram=max_ngram)  # fmt: skip
+                         max_ngram=max_ngram, decay=ADAPT_DECAY, prior_weight=PRIOR_WEIGHT, first_rate=FIRST_RATE)  # fmt: skip
 
 
 # the exporter's table (specgraph/ops.py) takes lookup's operator from here, where it is defined

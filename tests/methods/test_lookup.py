@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from specgraph.compiler import CompileConfig, compile_model
 from specgraph.exporters.nbits import NATIVE_DOMAIN
 from specgraph.kernels import library_path
-from specgraph.methods.lookup import lookup_round
+from specgraph.methods.lookup import ADAPT_DECAY, FIRST_RATE, PRIOR_WEIGHT, lookup_round
 from specgraph.runtime import Engine
 from tests.bundles import with_initializer
 from tests.greedy import assert_same_greedy, hf_greedy
@@ -64,7 +64,8 @@ def test_native_round_equals_the_graph_call_for_call(tiny_folder, tmp_path):
 def _round_session() -> ort.InferenceSession:
     names = ["history", "tokens", "cache_len", "bonus", "cache_len_out", "stats", "last", "cost"]
     outs = ["next_tokens", "history_out", "stats_out", "last_out", "n_draft"]
-    node = helper.make_node("LookupRound", names, outs, domain=NATIVE_DOMAIN, num_draft=4, max_ngram=3)
+    node = helper.make_node("LookupRound", names, outs, domain=NATIVE_DOMAIN, num_draft=4, max_ngram=3,
+                            decay=ADAPT_DECAY, prior_weight=PRIOR_WEIGHT, first_rate=FIRST_RATE)  # fmt: skip
     kinds = {"stats": TensorProto.FLOAT, "cost": TensorProto.FLOAT, "stats_out": TensorProto.FLOAT}
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.INT64), None)
                                             for n in names],

@@ -7,9 +7,6 @@ namespace sg::kernels {
 
 namespace {
 
-// specgraph/methods/lookup.py's ADAPT_DECAY, PRIOR_WEIGHT and 2 * FIRST_RATE, as the graph holds them (float32)
-constexpr float kDecay = 0.8f, kPriorWeight = 2.0f, kTwoFirstRates = 0.5f;
-
 // `_lookup_drafts`: the first draft's slot after the latest earlier occurrence of the longest
 // n-gram (n = N..1) that ends at slot `at`, and that n; (-1, 0) when none occurs.
 void find_match(const int64_t* history, int64_t at, int64_t max_ngram, int64_t* start, int64_t* matched) {
@@ -41,8 +38,8 @@ void observe(const LookupShape& s, const int64_t* tokens, int64_t bonus, int64_t
   const float bad = sent > 0 ? (accepted < sent ? 1.0f : 0.0f) : 1.0f - hit;
   if ((sent > 0 || withheld > 0) && length >= 1 && length <= s.max_ngram) {
     float* counts = stats + 2 * (length - 1);
-    counts[0] = kDecay * counts[0] + good;  // two roundings, as the graph's Mul and Add
-    counts[1] = kDecay * counts[1] + bad;
+    counts[0] = s.decay * counts[0] + good;  // two roundings, as the graph's Mul and Add
+    counts[1] = s.decay * counts[1] + bad;
   }
 }
 
@@ -54,9 +51,9 @@ int64_t draft_count(const LookupShape& s, const float* stats, const float* cost,
     pooled_good = pooled_good + stats[2 * n];
     pooled_bad = pooled_bad + stats[2 * n + 1];
   }
-  const float prior = (pooled_good + kTwoFirstRates) / ((pooled_good + pooled_bad) + 2.0f);
+  const float prior = (pooled_good + 2.0f * s.first_rate) / ((pooled_good + pooled_bad) + 2.0f);  // doubling: exact
   const float* counts = stats + 2 * (std::max<int64_t>(matched, 1) - 1);
-  const float rate = (counts[0] + kPriorWeight * prior) / ((counts[0] + counts[1]) + kPriorWeight);
+  const float rate = (counts[0] + s.prior_weight * prior) / ((counts[0] + counts[1]) + s.prior_weight);
   float best = 1.0f / cost[0], sum = 0.0f;
   int64_t count = 0;
   for (int64_t k = 1; k <= s.num_draft; ++k) {

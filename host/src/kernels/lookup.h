@@ -20,6 +20,8 @@ struct LookupShape {
   int64_t length = 0;             // L: the history's slots (max_context + 1)
   int64_t num_draft = 0;          // K
   int64_t max_ngram = 0;          // N
+  // lookup.py's ADAPT_DECAY, PRIOR_WEIGHT and FIRST_RATE, from the node's attributes
+  float decay = 0.0f, prior_weight = 0.0f, first_rate = 0.0f;
 };
 
 // One row of the round. history [L] is the row's history with this call's writes still to do

@@ -51,7 +51,7 @@
 //               cache_len_out int64 [B], lookup_stats float [B, N, 2], lookup_last int64 [B, 3],
 //               lookup_cost float [K + 1])
 //     -> next_tokens [B, 1 + K], history', lookup_stats', lookup_last', n_draft [B]
-//                                                         attributes: num_draft (K), max_ngram (N)
+//                        attributes: num_draft (K), max_ngram (N), decay, prior_weight, first_rate
 // Adaptive prompt lookup's round (lookup.h): the drafts and the state for the next call, one node
 // where the graph of specgraph/methods/lookup.py takes about 200. The state outputs are written in
 // place when the host binds them onto the inputs (it does), else copies first.
@@ -681,6 +681,7 @@ OrtStatus* lookup_fail(const std::string& message) { return fail(message, "Looku
 
 struct LookupKernel {
   int64_t num_draft = 0, max_ngram = 0;
+  float decay = 0.0f, prior_weight = 0.0f, first_rate = 0.0f;
 };
 
 OrtStatus* lookup_compute(void* kernel_ptr, OrtKernelContext* context) {
@@ -694,6 +695,9 @@ OrtStatus* lookup_compute(void* kernel_ptr, OrtKernelContext* context) {
   sg::kernels::LookupShape s;
   s.num_draft = kernel.num_draft;
   s.max_ngram = kernel.max_ngram;
+  s.decay = kernel.decay;
+  s.prior_weight = kernel.prior_weight;
+  s.first_rate = kernel.first_rate;
   if (dims[0].size() != 2 || dims[1].size() != 2) return lookup_fail("history is not [B, L] or tokens not [B, T]");
   s.batch = dims[0][0];
   s.length = dims[0][1];
@@ -743,6 +747,9 @@ OrtStatus* lookup_create(const CustomOp*, const void*, const OrtKernelInfo* info
   auto* kernel = new LookupKernel();
   OrtStatus* status = g_api.KernelInfoGetAttribute_int64(info, "num_draft", &kernel->num_draft);
   if (!status) status = g_api.KernelInfoGetAttribute_int64(info, "max_ngram", &kernel->max_ngram);
+  if (!status) status = g_api.KernelInfoGetAttribute_float(info, "decay", &kernel->decay);
+  if (!status) status = g_api.KernelInfoGetAttribute_float(info, "prior_weight", &kernel->prior_weight);
+  if (!status) status = g_api.KernelInfoGetAttribute_float(info, "first_rate", &kernel->first_rate);
   if (!status && (kernel->num_draft < 1 || kernel->max_ngram < 1)) {
     status = lookup_fail("num_draft and max_ngram must be positive");
   }
